@@ -1,0 +1,39 @@
+# The two commands: `make serve` (set up, make the tiny checkpoint, run the main job on the embedded
+# default) and `make test` (set up, run the suite). Everything lives in .venv; on a machine without
+# CUDA the CPU build of torch is installed first so nothing pulls a multi-GB CUDA build.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+CHECKPOINT ?= checkpoints/tiny
+TORCH_CPU ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: setup checkpoint serve test lint bench-cpu clean
+
+$(BIN)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	if ! command -v nvidia-smi >/dev/null 2>&1 && ! $(BIN)/python -c "import torch" 2>/dev/null; then \
+		$(BIN)/python -m pip install -q "$(TORCH_CPU)"; fi
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $@
+
+setup: $(BIN)/.installed
+
+$(CHECKPOINT)/model.safetensors: | $(BIN)/.installed
+	$(BIN)/laya-fleet make-checkpoint --shape tiny --out $(CHECKPOINT)
+
+checkpoint: $(CHECKPOINT)/model.safetensors
+
+serve: setup checkpoint
+	$(BIN)/laya-fleet predict --checkpoint $(CHECKPOINT) --pretty --questions configs/example_questions.json \
+		--state "Hi, my order #1234 arrived broken and I want my money back today."
+
+test: setup
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+lint: setup
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf $(VENV) checkpoints .pytest_cache

@@ -1,0 +1,61 @@
+"""Backend registry: `eager` always; GPU backends (`fast`, `compile`, `aot`) register themselves.
+
+`auto` picks `fast` on CUDA when tilelang imports and the encoder is ModernBERT-family, otherwise
+`eager` (with one warning when a GPU is present and the fast path could not be used).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .base import Backend, BackendUnavailable, collate, outputs
+from .eager import EagerBackend
+
+log = logging.getLogger(__name__)
+
+# name -> "module:factory"; a factory is (model, bundle, device, **options) -> Backend
+_REGISTRY: dict[str, str] = {
+    "fast": "kernels.forward:make_backend",
+    "compile": "model.backends.compiled:make_compile_backend",
+    "aot": "model.backends.compiled:make_aot_backend",
+}
+ALIASES = {"tilelang": "fast", "torch": "eager", "inductor": "compile", "torch.compile": "compile"}
+NAMES = ("auto", "eager", *(_REGISTRY))
+
+
+def _factory(name: str) -> Callable[..., Backend]:
+    mod, fn = _REGISTRY[name].split(":")
+    try:
+        module = importlib.import_module(mod)
+    except ImportError as e:
+        raise BackendUnavailable("backend %r needs %s: %s" % (name, mod, e)) from e
+    return getattr(module, fn)
+
+
+def make_backend(name: str, model: torch.nn.Module, bundle: Any, device: torch.device, **options) -> Backend:
+    """Build the named backend (resolving `auto`), falling back from `auto` to eager when needed."""
+    name = ALIASES.get(name, name)
+    if name not in NAMES:
+        raise ValueError("unknown backend %r; use one of %s" % (name, list(NAMES) + sorted(ALIASES)))
+    pad_id = bundle.tokenizer.pad_token_id
+    if name == "auto":
+        if device.type == "cuda":
+            try:
+                return _factory("fast")(model, bundle, device, **options)
+            except BackendUnavailable as e:
+                warnings.warn("laya-fleet: fast backend unavailable (%s); using eager" % e, RuntimeWarning,
+                              stacklevel=3)
+        return EagerBackend(model, pad_id, device, bundle.max_len)
+    if name == "eager":
+        return EagerBackend(model, pad_id, device, bundle.max_len, dtype=options.get("dtype"))
+    return _factory(name)(model, bundle, device, **options)
+
+
+__all__ = ["Backend", "BackendUnavailable", "EagerBackend", "NAMES", "ALIASES", "make_backend", "collate",
+           "outputs"]

@@ -1,0 +1,224 @@
+"""Checkpoint bundles on disk: `rl_agent_config.json`, `model.safetensors`, `tokenizer/`, `encoder/`.
+
+Published Laya checkpoints load unchanged from a directory: nothing in the directory is rewritten
+(it may be a read-only mount), the tokenizer is built from `tokenizer.json` plus the special tokens
+named in its config, and the model is built without random initialisation, then loaded strictly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+CONFIG = "rl_agent_config.json"
+WEIGHTS = "model.safetensors"
+REQUIRED_PREFIXES = ("encoder.", "type_emb.", "scorer.", "act_head.")
+_SPECIAL = ("cls_token", "sep_token", "pad_token", "mask_token", "unk_token")
+
+
+@dataclass
+class Bundle:
+    """A checkpoint directory's parsed contents (config, encoder config, tokenizer)."""
+
+    path: str
+    cfg: dict
+    encoder_config: Any
+    tokenizer: Any
+
+    @property
+    def max_len(self) -> int:
+        """Total token budget per row."""
+        return int(self.cfg.get("max_len", 512))
+
+    @property
+    def head_max_len(self) -> int:
+        """Token budget for instructions + options."""
+        return int(self.cfg.get("head_max_len", 192))
+
+
+def read_config(path: str) -> dict:
+    """The checkpoint's `rl_agent_config.json`; FileNotFoundError / ValueError say what is wrong."""
+    f = os.path.join(path, CONFIG)
+    if not os.path.isfile(f):
+        raise FileNotFoundError("Incompatible model: %r does not contain %r" % (path, CONFIG))
+    with open(f, encoding="utf-8") as fh:
+        try:
+            cfg = json.load(fh)
+        except json.JSONDecodeError as e:
+            raise ValueError("Incompatible model: %s is not valid JSON (%s)" % (f, e)) from None
+    if not isinstance(cfg, dict):
+        raise ValueError("Incompatible model: %s must hold a JSON object" % f)
+    missing = [k for k in ("encoder", "head_layers") if k not in cfg]
+    if missing:
+        raise ValueError("Incompatible model config for %r: missing configuration keys %s" % (path, missing))
+    return cfg
+
+
+def apply_rope_config(ecfg: Any) -> None:
+    """Copy transformers-5 `rope_parameters` onto `global_rope_theta` / `local_rope_theta`."""
+    rope = getattr(ecfg, "rope_parameters", None)
+    if not isinstance(rope, dict):
+        return
+    flat = rope.get("rope_theta")
+    for layer_type, attr in (("full_attention", "global_rope_theta"), ("sliding_attention", "local_rope_theta")):
+        params = rope.get(layer_type)
+        theta = params.get("rope_theta") if isinstance(params, dict) else flat
+        if theta is not None and hasattr(ecfg, attr):
+            setattr(ecfg, attr, float(theta))
+
+
+def load_encoder_config(path: str, cfg: dict) -> Any:
+    """The encoder's HF config, from `encoder/` (never downloaded), with the RoPE fix-up applied."""
+    from transformers import AutoConfig
+
+    enc_dir = os.path.join(path, "encoder")
+    if not os.path.isfile(os.path.join(enc_dir, "config.json")):
+        raise FileNotFoundError("Incompatible model: %r has no encoder/config.json; bundles must carry "
+                                "their encoder config (nothing is downloaded)" % path)
+    ecfg = AutoConfig.from_pretrained(enc_dir)
+    apply_rope_config(ecfg)
+    return ecfg
+
+
+def load_tokenizer(path: str) -> Any:
+    """A fast tokenizer from `tokenizer/tokenizer.json`, special tokens from its config files."""
+    from transformers import PreTrainedTokenizerFast
+
+    tok_dir = os.path.join(path, "tokenizer")
+    tok_file = os.path.join(tok_dir, "tokenizer.json")
+    if not os.path.isfile(tok_file):
+        raise FileNotFoundError("Incompatible model: %r has no tokenizer/tokenizer.json" % path)
+    special: dict[str, str] = {}
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):
+        f = os.path.join(tok_dir, name)
+        if not os.path.isfile(f):
+            continue
+        with open(f, encoding="utf-8") as fh:
+            data = json.load(fh)
+        for key in _SPECIAL:
+            val = data.get(key)
+            if isinstance(val, dict):
+                val = val.get("content")
+            if isinstance(val, str) and key not in special:
+                special[key] = val
+    for key, default in (("cls_token", "[CLS]"), ("sep_token", "[SEP]"), ("pad_token", "[PAD]"),
+                         ("mask_token", "[MASK]"), ("unk_token", "[UNK]")):
+        special.setdefault(key, default)
+    tok = PreTrainedTokenizerFast(tokenizer_file=tok_file, **special)
+    for key in ("cls_token_id", "sep_token_id", "pad_token_id", "mask_token_id"):
+        if getattr(tok, key) is None:
+            raise ValueError("Incompatible model: tokenizer in %r has no %s" % (path, key[:-3]))
+    return tok
+
+
+def open_bundle(path: str) -> Bundle:
+    """Parse a checkpoint directory without touching its weights."""
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise FileNotFoundError("checkpoint directory %r does not exist" % path)
+    cfg = read_config(path)
+    return Bundle(path, cfg, load_encoder_config(path, cfg), load_tokenizer(path))
+
+
+@contextmanager
+def _no_init():
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # transformers 4.x
+        from transformers.modeling_utils import no_init_weights
+    with no_init_weights():
+        yield
+
+
+def build_model(bundle: Bundle) -> torch.nn.Module:
+    """A DecisionModel with uninitialised parameters, ready for a strict load.
+
+    The encoder is allocated under transformers' `no_init_weights` (its non-persistent RoPE buffers
+    must stay real); the head modules are created on the meta device and materialised empty, so no
+    initialisation kernel runs and no RNG is consumed.
+    """
+    from transformers import AutoModel
+
+    from .network import DecisionModel
+
+    with _no_init():
+        enc = AutoModel.from_config(bundle.encoder_config, attn_implementation="sdpa")
+
+    class _Config(torch.nn.Module):  # stands in for the encoder while the head is built on meta
+        def __init__(self, config):
+            super().__init__()
+            self.config = config
+
+    with torch.device("meta"):
+        model = DecisionModel(_Config(enc.config), int(bundle.cfg.get("head_layers", 2)),
+                              len(bundle.cfg.get("act_costs", {})) + 1)
+    model.to_empty(device="cpu")
+    model.encoder = enc
+    return model
+
+
+def load_weights(path: str) -> dict[str, torch.Tensor]:
+    """The checkpoint's state dict from `model.safetensors`."""
+    from safetensors.torch import load_file
+
+    f = os.path.join(path, WEIGHTS)
+    if not os.path.isfile(f):
+        raise FileNotFoundError("Incompatible model: %r does not contain %r" % (path, WEIGHTS))
+    return load_file(f)
+
+
+def verify(model: torch.nn.Module, weights: dict[str, torch.Tensor], path: str) -> None:
+    """Raise ValueError naming what does not match between checkpoint weights and architecture."""
+    for prefix in REQUIRED_PREFIXES:
+        if not any(k.startswith(prefix) for k in weights):
+            raise ValueError("Incompatible model weights for %r: checkpoint is missing %r parameters"
+                             % (path, prefix))
+    bad, missing = [], []
+    for name, p in model.named_parameters():
+        if name not in weights:
+            missing.append(name)
+        elif tuple(weights[name].shape) != tuple(p.shape):
+            bad.append("%s: expected %s, found %s" % (name, tuple(p.shape), tuple(weights[name].shape)))
+    if bad:
+        raise ValueError("Model architecture mismatch for %r: %s%s" % (
+            path, "; ".join(bad[:5]), " ... and %d more" % (len(bad) - 5) if len(bad) > 5 else ""))
+    if missing:
+        raise ValueError("Model weights incomplete for %r: missing %d parameter tensors (e.g. %s)"
+                         % (path, len(missing), missing[:3]))
+
+
+def load_model(bundle: Bundle) -> torch.nn.Module:
+    """Build the model and load `model.safetensors` strictly, as fp32 on CPU, in eval mode."""
+    model = build_model(bundle)
+    weights = load_weights(bundle.path)
+    verify(model, weights, bundle.path)
+    model.load_state_dict(weights, strict=True)
+    return model.float().eval().requires_grad_(False)
+
+
+def checkpoint_hash(path: str) -> str:
+    """A short content hash of a checkpoint (config + weights + tokenizer), for cache keys."""
+    h = hashlib.sha256()
+    for rel in (CONFIG, WEIGHTS, "tokenizer/tokenizer.json", "encoder/config.json"):
+        f = os.path.join(path, rel)
+        if not os.path.isfile(f):
+            continue
+        st = os.stat(f)
+        h.update(("%s:%d:" % (rel, st.st_size)).encode())
+        with open(f, "rb") as fh:
+            if st.st_size <= 64 << 20:
+                h.update(fh.read())
+            else:  # big weights: head, middle and tail are enough to tell checkpoints apart
+                for off in (0, st.st_size // 2, max(0, st.st_size - (8 << 20))):
+                    fh.seek(off)
+                    h.update(fh.read(8 << 20))
+    return h.hexdigest()[:16]

@@ -1,0 +1,184 @@
+"""The public engine: load a checkpoint once, then answer questions about states.
+
+The pipeline is split so that serving can run each stage where it belongs: `prepare` validates a
+question set (once per request), `encode` tokenizes a state into rows (CPU), `score` runs the
+backend forward (GPU), and `decode` builds the answer JSON (CPU). `predict` / `predict_batch` chain
+them in-process with the same results as upstream `laya` 0.4.15.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import decode as _decode
+from .bundle import Bundle, checkpoint_hash, load_model, open_bundle
+from .questions import Question, validate_questions
+from .sequence import EncodedState, Head, Row, SequenceBuilder
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A validated question set with its state-independent heads, ready to encode states against."""
+
+    questions: tuple[Question, ...]
+    heads: tuple[Head, ...]
+    max_len: int
+    head_max_len: int
+
+    def __bool__(self) -> bool:
+        return bool(self.questions)
+
+
+def _check_budget(name: str, value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError("%s must be a positive integer, got %r" % (name, value))
+    return value
+
+
+class Engine:
+    """A loaded checkpoint plus a backend; thread-safe for concurrent `predict*` calls."""
+
+    def __init__(self, bundle: Bundle, backend: Any):
+        self.bundle = bundle
+        self.backend = backend
+        self.builder = SequenceBuilder(bundle.tokenizer, bundle.max_len, bundle.head_max_len)
+        self.temperatures = _decode.Temperatures(bundle.cfg, bundle.path)
+        self._hash: str | None = None
+
+    # -- facts --------------------------------------------------------------------------------
+    @property
+    def path(self) -> str:
+        """The checkpoint directory."""
+        return self.bundle.path
+
+    @property
+    def backend_name(self) -> str:
+        """Which forward implementation runs (`eager`, `fast`, `compile`, `aot`)."""
+        return self.backend.name
+
+    @property
+    def device(self) -> torch.device:
+        """The device the forward runs on."""
+        return self.backend.device
+
+    @property
+    def checkpoint_hash(self) -> str:
+        """A short content hash of the checkpoint (cache keys)."""
+        if self._hash is None:
+            self._hash = checkpoint_hash(self.bundle.path)
+        return self._hash
+
+    # -- stages -------------------------------------------------------------------------------
+    def prepare(self, questions: Any, max_len: int | None = None, head_max_len: int | None = None) -> Prepared:
+        """Validate and normalise a question set and build its heads; ValueError names a bad question."""
+        qs = validate_questions(questions)
+        ml = _check_budget("max_len", max_len) or self.bundle.max_len
+        hml = _check_budget("head_max_len", head_max_len) or self.bundle.head_max_len
+        if ml > self.backend.max_tokens_per_row:
+            raise ValueError("max_len=%d is longer than this backend supports (%d tokens per row)"
+                             % (ml, self.backend.max_tokens_per_row))
+        heads = tuple(self.builder.head(q, hml) for q in qs)
+        return Prepared(tuple(qs), heads, ml, hml)
+
+    def encode(self, state: Any, prepared: Prepared, state_ids: list[int] | None = None) -> EncodedState:
+        """Rows for one state (TypeError for a None state; ValueError if options do not fit)."""
+        if state is None:
+            raise TypeError("state must not be None; pass a string, dict, or list")
+        return self.builder.encode(state, prepared.questions, prepared.heads, state_ids=state_ids,
+                                   max_len=prepared.max_len, head_max_len=prepared.head_max_len)
+
+    def encode_many(self, states: Sequence[Any], prepared: Prepared) -> list[EncodedState]:
+        """Rows for many states; the states are tokenized in one parallel batch."""
+        for s in states:
+            if s is None:
+                raise TypeError("state must not be None; pass a string, dict, or list")
+        ids = self.builder.states_ids(states)
+        return [self.encode(s, prepared, i) for s, i in zip(states, ids)]
+
+    def score(self, rows: Sequence[Row]) -> tuple[np.ndarray, np.ndarray]:
+        """Backend forward over rows: (logits [N, kmax], P(action 0) [N])."""
+        return self.backend.forward(rows)
+
+    def decode(self, prepared: Prepared, enc: EncodedState, logits: np.ndarray, act_p0: np.ndarray) -> dict:
+        """The answer JSON for one state from its rows' outputs."""
+        return _decode.result(prepared.questions, prepared.heads, enc, logits, act_p0, self.temperatures)
+
+    # -- in-process API -----------------------------------------------------------------------
+    def predict(self, state: Any, questions: Any, **kw: Any) -> dict:
+        """Answer every question about one state; same result as upstream `Agent.predict`."""
+        if isinstance(state, (bytes, bytearray)):
+            raise TypeError("state must be a string, dict, or list, got bytes")
+        return self.predict_batch([state], questions, **kw)[0]
+
+    def predict_batch(self, states: Sequence[Any], questions: Any, batch_size: int | None = None,
+                      sort_by_length: bool = False, max_len: int | None = None,
+                      head_max_len: int | None = None) -> list[dict]:
+        """Answer the same questions about many states, `batch_size` states per forward (None = all)."""
+        if isinstance(states, (str, bytes, dict)):
+            raise TypeError("predict_batch expects a list of states; pass a single state to predict()")
+        if not isinstance(questions, dict):
+            raise TypeError("questions must be a dict of question id -> definition, got %s"
+                            % type(questions).__name__)
+        states = list(states)
+        if any(s is None for s in states):
+            raise TypeError("state must not be None; pass a string, dict, or list")
+        if not states:
+            return []
+        if not questions:
+            return [_decode.empty_result() for _ in states]
+        prepared = self.prepare(questions, max_len, head_max_len)
+        chunk = batch_size if (batch_size and batch_size > 0) else len(states)
+        reorder = sort_by_length and 1 < chunk < len(states)
+        window = chunk * 8 if reorder else chunk
+        results: list[dict] = []
+        for start in range(0, len(states), window):
+            part = states[start:start + window]
+            encoded = self.encode_many(part, prepared)
+            order = list(range(len(encoded)))
+            if reorder:
+                order.sort(key=lambda i: encoded[i].max_len)
+            out: list[dict | None] = [None] * len(encoded)
+            for off in range(0, len(order), chunk):
+                idx = order[off:off + chunk]
+                rows = [r for i in idx for r in encoded[i].rows]
+                logits, act = self.score(rows)
+                pos = 0
+                for i in idx:
+                    n = len(encoded[i].rows)
+                    out[i] = self.decode(prepared, encoded[i], logits[pos:pos + n], act[pos:pos + n])
+                    pos += n
+            results.extend(out)  # type: ignore[arg-type]
+        return results
+
+    def warmup(self, max_batch_tokens: int | None = None) -> float:
+        """Build every shape the backend will use before traffic; returns seconds spent."""
+        return self.backend.warmup(max_batch_tokens)
+
+
+def resolve_device(device: Any = None) -> torch.device:
+    """`device` as a torch.device; None means CUDA when available, else CPU."""
+    if device is None or device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def load(path: str, device: Any = None, backend: str = "auto", **options: Any) -> Engine:
+    """Load a checkpoint directory and return a ready `Engine` (see `model.backends` for `backend`)."""
+    from .backends import make_backend
+
+    bundle = open_bundle(path)
+    model = load_model(bundle)
+    dev = resolve_device(device)
+    be = make_backend(backend, model, bundle, dev, **options)
+    log.info("loaded %s on %s with the %s backend", path, dev, be.name)
+    return Engine(bundle, be)

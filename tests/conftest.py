@@ -1,0 +1,48 @@
+"""Shared fixtures: one tiny checkpoint per test session, the engine over it, and the upstream oracle."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory) -> str:
+    from model.make_checkpoint import make_checkpoint
+
+    out = str(tmp_path_factory.mktemp("ckpt") / "tiny")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        make_checkpoint(out, "tiny", seed=0)
+    return out
+
+
+@pytest.fixture(scope="session")
+def engine(tiny_checkpoint):
+    import model
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return model.load(tiny_checkpoint, device="cpu", backend="eager")
+
+
+@pytest.fixture(scope="session")
+def oracle(tiny_checkpoint):
+    laya = pytest.importorskip("laya")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return laya.load(tiny_checkpoint, device="cpu")

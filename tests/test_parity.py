@@ -1,0 +1,80 @@
+"""Answers equal upstream `laya` 0.4.15 on the same checkpoint (CPU fp32)."""
+
+from __future__ import annotations
+
+import pytest
+
+from .cases import cases
+
+CASES = cases(64)
+
+
+def _assert_same(ours, theirs, where):
+    assert type(ours) is type(theirs), where
+    if isinstance(ours, dict):
+        assert list(ours.keys()) == list(theirs.keys()), where
+        for k in ours:
+            _assert_same(ours[k], theirs[k], "%s.%s" % (where, k))
+    elif isinstance(ours, list):
+        assert len(ours) == len(theirs), where
+        for i, (a, b) in enumerate(zip(ours, theirs)):
+            _assert_same(a, b, "%s[%d]" % (where, i))
+    elif isinstance(ours, float):
+        assert abs(ours - theirs) <= 1e-6, "%s: %r vs %r" % (where, ours, theirs)
+    else:
+        assert ours == theirs, "%s: %r vs %r" % (where, ours, theirs)
+
+
+@pytest.mark.parametrize("i", range(len(CASES)))
+def test_predict_batch_matches_upstream(engine, oracle, i):
+    states, qs = CASES[i]
+    _assert_same(engine.predict_batch(states, qs), oracle.predict_batch(states, qs), "case%d" % i)
+
+
+def test_cases_cover_the_hard_shapes(engine):
+    """The generated set really contains truncation, 1-option, 20+ options, 32 levels and custom labels."""
+    truncated = kinds = 0
+    seen = set()
+    for states, qs in CASES:
+        for q in qs.values():
+            crit = q.get("criteria")
+            if q["type"] == "choice" and len(crit) == 1:
+                seen.add("one")
+            if q["type"] == "choice" and len(crit) >= 20:
+                seen.add("many")
+            if q["type"] == "score" and len(crit) == 32:
+                seen.add("32")
+            if "labels" in q:
+                seen.add("labels")
+        kinds |= 1 << len({type(s).__name__ for s in states})
+        truncated += any(r["usage"]["truncated"] for r in engine.predict_batch(states, qs))
+    assert seen == {"one", "many", "32", "labels"}
+    assert truncated >= 5
+    assert kinds & 0b1100  # some batches mix state types
+
+
+def test_single_predict_and_chunked_batches_match_upstream(engine, oracle):
+    states, qs = CASES[3]
+    _assert_same(engine.predict(states[0], qs), oracle.predict(states[0], qs), "predict")
+    many = [s for st, _ in CASES[:12] for s in st]
+    qs = CASES[1][1]
+    _assert_same(engine.predict_batch(many, qs, batch_size=4, sort_by_length=True),
+                 oracle.predict_batch(many, qs, batch_size=4, sort_by_length=True), "sorted")
+    _assert_same(engine.predict_batch(many, qs, batch_size=3), oracle.predict_batch(many, qs, batch_size=3), "chunked")
+
+
+def test_empty_inputs_match_upstream(engine, oracle):
+    assert engine.predict_batch([], CASES[0][1]) == oracle.predict_batch([], CASES[0][1]) == []
+    assert engine.predict("x", {}) == oracle.predict("x", {})
+
+
+def test_type_errors_match_upstream(engine, oracle):
+    for bad in ("a string", {"a": 1}):
+        with pytest.raises(TypeError):
+            engine.predict_batch(bad, CASES[0][1])
+        with pytest.raises(TypeError):
+            oracle.predict_batch(bad, CASES[0][1])
+    with pytest.raises(TypeError):
+        engine.predict_batch(["ok", None], CASES[0][1])
+    with pytest.raises(TypeError):
+        engine.predict("x", ["not", "a", "dict"])
