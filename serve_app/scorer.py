@@ -1,0 +1,220 @@
+"""The scorer: one loaded Engine per process (one per GPU), used by Serve replicas and Ray Data actors.
+
+All forward work runs on one dedicated thread (CUDA graphs and compiled graphs are not thread-safe,
+and the asyncio loop must never block on the GPU). Rows are scored in token-budget micro-batches;
+a CUDA out-of-memory halves the budget and retries, so no row is lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from model.sequence import Row
+
+from .batching import plan
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CPU_BUDGET = 8192
+MIN_BUDGET = 64
+
+
+def is_oom(exc: BaseException) -> bool:
+    """Whether an exception is a device out-of-memory (CUDA or allocator)."""
+    try:
+        import torch
+
+        if isinstance(exc, torch.cuda.OutOfMemoryError):
+            return True
+    except ImportError:  # pragma: no cover
+        pass
+    return isinstance(exc, (RuntimeError, MemoryError)) and "out of memory" in str(exc).lower()
+
+
+@dataclass
+class ScorerStats:
+    """Counters a scorer exposes (metrics and the offline summary read them)."""
+
+    rows: int = 0
+    tokens: int = 0
+    padded_tokens: int = 0
+    batches: int = 0
+    forward_s: float = 0.0
+    oom_retries: int = 0
+    warmup_s: float = 0.0
+    budget_history: list[int] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        """A JSON-friendly copy."""
+        return dict(self.__dict__, budget_history=list(self.budget_history))
+
+
+class Scorer:
+    """A checkpoint loaded on this process's device, scoring rows under a token budget."""
+
+    def __init__(self, checkpoint: str, backend: str = "auto", device: str | None = None,
+                 cache_dir: str | None = None, max_batch_tokens: int | None = None,
+                 max_batch_rows: int | None = None, warmup: bool = True, backend_options: dict | None = None):
+        import model
+
+        t0 = time.perf_counter()
+        if cache_dir:
+            os.environ.setdefault("LAYA_FLEET_CACHE_DIR", cache_dir)
+        self.engine = model.load(checkpoint, device=device, backend=backend, **(backend_options or {}))
+        self.packed = bool(getattr(self.engine.backend, "packed", False))
+        self.max_batch_rows = max_batch_rows
+        self.stats = ScorerStats()
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="laya-forward")
+        self._budget_lock = threading.Lock()
+        self._explicit_budget = bool(max_batch_tokens)
+        self.budget = int(max_batch_tokens) if max_batch_tokens else self._default_budget()
+        self.stats.budget_history.append(self.budget)
+        self.load_s = time.perf_counter() - t0
+        if warmup:
+            self.stats.warmup_s = self._executor.submit(self._warmup).result()
+        self.ready_s = time.perf_counter() - t0
+        log.info("scorer ready: %s backend on %s, budget %d tokens, load %.1fs, warm-up %.1fs",
+                 self.engine.backend_name, self.engine.device, self.budget, self.load_s, self.stats.warmup_s)
+
+    # -- facts --------------------------------------------------------------------------------
+    @property
+    def device(self) -> str:
+        """The device this scorer runs on, as text."""
+        return str(self.engine.device)
+
+    def info(self) -> dict[str, Any]:
+        """What this scorer is: backend, device, budget, timings, counters, visible GPUs."""
+        return {"backend": self.engine.backend_name, "device": self.device, "budget": self.budget,
+                "load_s": round(self.load_s, 3), "ready_s": round(self.ready_s, 3),
+                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "pid": os.getpid(),
+                "stats": self.stats.as_dict()}
+
+    def _default_budget(self) -> int:
+        if self.engine.device.type != "cuda":
+            return DEFAULT_CPU_BUDGET
+        return 65536
+
+    def _warmup(self) -> float:
+        t = time.perf_counter()
+        if self.engine.device.type == "cuda" and not self._explicit_budget:
+            self.budget = self._choose_budget()
+            self.stats.budget_history.append(self.budget)
+        self.engine.warmup(self.budget)
+        return time.perf_counter() - t
+
+    def _choose_budget(self) -> int:
+        """The largest budget that fits in memory and still gains >5% throughput over half of it."""
+        import torch
+
+        L = self.engine.bundle.max_len
+        pad = self.engine.builder.pad_id
+        best, best_tps = MIN_BUDGET * 8, 0.0
+        total = torch.cuda.get_device_properties(self.engine.device).total_memory
+        for budget in (4096, 8192, 16384, 32768, 65536, 131072):
+            rows = [Row([pad] * L, [1, 2, 3], 0) for _ in range(max(1, budget // L))]
+            try:
+                torch.cuda.reset_peak_memory_stats()
+                self.engine.score(rows)  # compile / allocate
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                for _ in range(3):
+                    self.engine.score(rows)
+                torch.cuda.synchronize()
+                tps = 3 * len(rows) * L / (time.perf_counter() - t)
+                peak = torch.cuda.max_memory_allocated()
+            except Exception as e:
+                if not is_oom(e):
+                    raise
+                self._release_memory()
+                break
+            log.info("budget %d: %.0f tokens/s, peak %.1f GiB", budget, tps, peak / 2**30)
+            if peak > 0.8 * total or tps < 1.05 * best_tps:
+                break
+            best, best_tps = budget, tps
+        return best
+
+    # -- budget -------------------------------------------------------------------------------
+    def set_budget(self, tokens: int) -> None:
+        """Change the token budget (from `reconfigure`); takes effect on the next micro-batch."""
+        if tokens < MIN_BUDGET:
+            raise ValueError("max_batch_tokens must be at least %d, got %r" % (MIN_BUDGET, tokens))
+        with self._budget_lock:
+            self.budget = int(tokens)
+            self.stats.budget_history.append(self.budget)
+
+    def _halve_budget(self, failed_cost: int) -> int:
+        with self._budget_lock:
+            self.budget = max(MIN_BUDGET, min(self.budget, failed_cost) // 2)
+            self.stats.budget_history.append(self.budget)
+            self.stats.oom_retries += 1
+            return self.budget
+
+    # -- scoring ------------------------------------------------------------------------------
+    def score_rows(self, rows: Sequence[Row]) -> tuple[np.ndarray, np.ndarray]:
+        """Score rows on the forward thread and return (logits [N, kmax], P(action 0) [N]) in input order."""
+        return self._executor.submit(self._score_rows, list(rows)).result()
+
+    async def score_rows_async(self, rows: Sequence[Row]) -> tuple[np.ndarray, np.ndarray]:
+        """`score_rows` without blocking the event loop."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self._score_rows, list(rows))
+
+    def _score_rows(self, rows: list[Row]) -> tuple[np.ndarray, np.ndarray]:
+        n = len(rows)
+        kmax = max((len(r.markers) for r in rows), default=1)
+        logits = np.full((n, kmax), -1e4, dtype=np.float32)
+        act = np.zeros(n, dtype=np.float32)
+        pending = plan([len(r) for r in rows], self.budget, self.packed, self.max_batch_rows)
+        while pending:
+            idx = pending.pop(0)
+            sub = [rows[i] for i in idx]
+            lengths = [len(r) for r in sub]
+            cost = sum(lengths) if self.packed else len(sub) * max(lengths)
+            t = time.perf_counter()
+            try:
+                lg, ap = self.engine.score(sub)
+            except Exception as e:
+                if not is_oom(e):
+                    raise
+                self._release_memory()
+                if len(sub) == 1:
+                    if self.budget <= MIN_BUDGET:
+                        raise
+                    self._halve_budget(cost)
+                    pending.insert(0, idx)  # retry alone after freeing memory
+                    continue
+                budget = self._halve_budget(cost)
+                log.warning("out of memory on %d rows / %d tokens; token budget now %d", len(sub), cost, budget)
+                pending[:0] = [[idx[j] for j in b] for b in plan(lengths, budget, self.packed, self.max_batch_rows)]
+                continue
+            self.stats.forward_s += time.perf_counter() - t
+            self.stats.batches += 1
+            self.stats.rows += len(sub)
+            self.stats.tokens += sum(lengths)
+            self.stats.padded_tokens += len(sub) * max(lengths)
+            logits[idx, :lg.shape[1]] = lg[:, :kmax]
+            act[idx] = ap
+        return logits, act
+
+    def _release_memory(self) -> None:
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        except Exception:  # pragma: no cover - best effort
+            pass
+
+    def close(self) -> None:
+        """Stop the forward thread."""
+        self._executor.shutdown(wait=False, cancel_futures=True)
