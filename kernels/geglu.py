@@ -1,0 +1,108 @@
+"""GEMM + GeGLU, ModernBERT's MLP up-projection: C[M,F] = gelu(A @ Wi[:F]^T) * (A @ Wi[F:]^T).
+
+Wi is the `mlp.Wi` weight [2F, K]: its first F rows feed the exact-erf GELU, its last F rows the gate
+(`input, gate = Wi(x).chunk(2, -1)`). One A tile feeds two accumulators, so the [M, 2F] intermediate
+never reaches memory. F need not be a multiple of the tile (2624 = 41 x 64): the tail tile's extra
+columns read rows of the other half or past the end (zero-filled) and are never stored.
+"""
+
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from . import _tl
+from .gemm import SMALL_M, apply_act
+
+
+@dataclass(frozen=True)
+class GegluConfig:
+    """Tile shape and schedule of the GeGLU kernel (block_N counts output columns)."""
+
+    bm: int = 128
+    bn: int = 128
+    bk: int = 64
+    stages: int = 3
+    threads: int = 256
+    full_row: bool = True
+
+    def tag(self) -> str:
+        """A short text form, e.g. 128x128x64s3t256r."""
+        pol = "r" if self.full_row else "q"
+        return "%dx%dx%ds%dt%d%s" % (self.bm, self.bn, self.bk, self.stages, self.threads, pol)
+
+
+SMALL = GegluConfig(bm=64, bn=64, bk=128, stages=3, threads=128)
+# stages=4 won the sweep on an H200 in both runs of 2026-11-29 (538 vs 537 and 558 vs 527 TFLOP/s)
+LARGE = GegluConfig(bm=128, bn=128, bk=64, stages=4, threads=256)
+# Per-(F, K) configs for large M, filled from a measured sweep (bench/fast_path.py prints the winners).
+TUNED: dict[tuple[int, int], GegluConfig] = {}
+
+
+def pick_config(M: int, Fd: int, K: int) -> GegluConfig:
+    """The tile config for an M-row GeGLU of width F over K: SMALL for few rows, else tuned or LARGE."""
+    return SMALL if M <= SMALL_M else TUNED.get((Fd, K), LARGE)
+
+
+def geglu_ref(a: torch.Tensor, wi: torch.Tensor) -> torch.Tensor:
+    """Reference: gelu(a @ wi[:F].T) * (a @ wi[F:].T) in fp32, returned as a's dtype."""
+    y = a.float() @ wi.float().t()
+    x, gate = y.chunk(2, -1)
+    return (F.gelu(x) * gate).to(a.dtype)
+
+
+def build_geglu(Fd: int, K: int, cfg: GegluConfig = LARGE):
+    """The TileLang PrimFunc main(A[M,K] bf16, Wi[2F,K] bf16, C[M,F] bf16)."""
+    if cfg.bn % 16 or cfg.bk % 16:
+        raise ValueError("block_N and block_K must be multiples of 16")
+    _, T = _tl.tl()
+    bm, bn, bk = cfg.bm, cfg.bn, cfg.bk
+    M = T.dynamic("M")
+    policy = T.GemmWarpPolicy.FullRow if cfg.full_row else T.GemmWarpPolicy.Square
+    BF16, F32 = _tl.BF16, _tl.F32
+
+    @T.prim_func
+    def main(A: T.Tensor((M, K), BF16), Wi: T.Tensor((2 * Fd, K), BF16), C: T.Tensor((M, Fd), BF16)):
+        with T.Kernel(T.ceildiv(Fd, bn), T.ceildiv(M, bm), threads=cfg.threads) as (bx, by):
+            A_s = T.alloc_shared((bm, bk), BF16)
+            Wx_s = T.alloc_shared((bn, bk), BF16)
+            Wg_s = T.alloc_shared((bn, bk), BF16)
+            Cx = T.alloc_fragment((bm, bn), F32)
+            Cg = T.alloc_fragment((bm, bn), F32)
+            C_s = T.alloc_shared((bm, bn), BF16)
+            T.clear(Cx)
+            T.clear(Cg)
+            for k in T.Pipelined(T.ceildiv(K, bk), num_stages=cfg.stages):
+                T.copy(A[by * bm, k * bk], A_s)
+                T.copy(Wi[bx * bn, k * bk], Wx_s)
+                T.copy(Wi[Fd + bx * bn, k * bk], Wg_s)
+                T.gemm(A_s, Wx_s, Cx, transpose_B=True, policy=policy)
+                T.gemm(A_s, Wg_s, Cg, transpose_B=True, policy=policy)
+            for i, j in T.Parallel(bm, bn):
+                Cx[i, j] = apply_act(Cx[i, j], "gelu", T) * Cg[i, j]
+            T.copy(Cx, C_s)
+            T.copy(C_s, C[by * bm, bx * bn])
+
+    return main
+
+
+def geglu_kernel(Fd: int, K: int, cfg: GegluConfig = LARGE):
+    """The compiled GeGLU kernel for (F, K, cfg), built once per process."""
+    name = _tl.kernel_name("lf_geglu", f=Fd, k=K, c=cfg.tag())
+    return _tl.memo(("geglu", Fd, K, cfg), lambda: _tl.compile_func(build_geglu(Fd, K, cfg), name))
+
+
+def geglu(a: torch.Tensor, wi: torch.Tensor, out: torch.Tensor | None = None,
+          cfg: GegluConfig | None = None) -> torch.Tensor:
+    """Run the TileLang GeGLU on CUDA tensors; returns `out` (allocated when None)."""
+    M, K = a.shape
+    Fd = wi.shape[0] // 2
+    cfg = cfg or pick_config(M, Fd, K)
+    if out is None:
+        out = torch.empty(M, Fd, dtype=torch.bfloat16, device=a.device)
+    geglu_kernel(Fd, K, cfg)(a, wi, out)
+    return out
+
+
+__all__ = ["GegluConfig", "SMALL", "LARGE", "TUNED", "pick_config", "geglu_ref", "build_geglu", "geglu_kernel", "geglu"]

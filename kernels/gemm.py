@@ -1,0 +1,156 @@
+"""GEMM with an optional bias and activation epilogue: C[M,N] = act(A[M,K] @ W[N,K]^T + b).
+
+A and W are bf16, accumulation is fp32, the bias is fp32 and C is bf16. M (the packed token count) is
+a runtime symbol, so one compiled kernel serves every token bucket; N and K are compile-time constants.
+W is an `nn.Linear` weight ([out, in]), read K-major (transpose_B), which is what wgmma wants on Hopper.
+"""
+
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from . import _tl
+
+ACTS = ("none", "gelu", "relu")
+INV_SQRT2 = 0.7071067811865476
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Tile shape and schedule of one GEMM kernel."""
+
+    bm: int = 128
+    bn: int = 128
+    bk: int = 64
+    stages: int = 3
+    threads: int = 256
+    full_row: bool = True   # GemmWarpPolicy.FullRow: each warpgroup owns 64 rows x the whole block_N
+
+    def tag(self) -> str:
+        """A short text form, e.g. 128x256x64s3t256r."""
+        pol = "r" if self.full_row else "q"
+        return "%dx%dx%ds%dt%d%s" % (self.bm, self.bn, self.bk, self.stages, self.threads, pol)
+
+
+SMALL = GemmConfig(bm=64, bn=64, bk=128, stages=4, threads=128)
+LARGE = GemmConfig(bm=128, bn=256, bk=64, stages=3, threads=256)
+NARROW = GemmConfig(bm=128, bn=64, bk=64, stages=3, threads=256)   # N <= 64 (the scorer's last layer)
+SMALL_M = 256   # token buckets up to this many rows use SMALL tiles (more blocks for few tokens)
+
+
+# Per-(N, K) configs for large M, filled from a measured sweep (bench/fast_path.py prints the winners).
+TUNED: dict[tuple[int, int], GemmConfig] = {}
+
+
+def pick_config(M: int, N: int, K: int | None = None) -> GemmConfig:
+    """The tile config for an M x N (x K) product: NARROW for tiny N, SMALL for few rows, else tuned or LARGE."""
+    if N <= 64:
+        return NARROW
+    if M <= SMALL_M:
+        return SMALL
+    return TUNED.get((N, K), LARGE)
+
+
+def gemm_ref(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, act: str = "none",
+             out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Reference: act(a @ w.T + bias) computed in fp32, returned as out_dtype (default: a's dtype)."""
+    y = a.float() @ w.float().t()
+    if bias is not None:
+        y = y + bias.float()
+    if act == "gelu":
+        y = F.gelu(y)
+    elif act == "relu":
+        y = F.relu(y)
+    return y.to(out_dtype or a.dtype)
+
+
+def apply_act(x, act: str, T):
+    """The epilogue activation as a TileLang expression (exact-erf GELU, ReLU or identity)."""
+    if act == "gelu":
+        return 0.5 * x * (1.0 + T.erf(x * INV_SQRT2))
+    if act == "relu":
+        return T.max(x, 0.0)
+    return x
+
+
+def build_gemm(N: int, K: int, bias: bool = False, act: str = "none", cfg: GemmConfig = LARGE,
+               out_dtype: str = "bfloat16"):
+    """The TileLang PrimFunc main(A[M,K] bf16, W[N,K] bf16, Bias[N] f32, C[M,N] out_dtype (bf16 or f32))."""
+    if act not in ACTS:
+        raise ValueError("act must be one of %s, got %r" % (ACTS, act))
+    if cfg.bn % 16 or cfg.bk % 16:
+        raise ValueError("block_N and block_K must be multiples of 16 (tilelang #2593, #2381)")
+    _, T = _tl.tl()
+    bm, bn, bk = cfg.bm, cfg.bn, cfg.bk
+    M = T.dynamic("M")
+    policy = T.GemmWarpPolicy.FullRow if cfg.full_row else T.GemmWarpPolicy.Square
+    BF16, F32 = _tl.BF16, _tl.F32
+
+    @T.prim_func
+    def main(A: T.Tensor((M, K), BF16), W: T.Tensor((N, K), BF16), Bias: T.Tensor((N,), F32),
+             C: T.Tensor((M, N), out_dtype)):
+        with T.Kernel(T.ceildiv(N, bn), T.ceildiv(M, bm), threads=cfg.threads) as (bx, by):
+            A_s = T.alloc_shared((bm, bk), BF16)
+            W_s = T.alloc_shared((bn, bk), BF16)
+            C_l = T.alloc_fragment((bm, bn), F32)
+            C_s = T.alloc_shared((bm, bn), out_dtype)
+            T.clear(C_l)
+            for k in T.Pipelined(T.ceildiv(K, bk), num_stages=cfg.stages):
+                T.copy(A[by * bm, k * bk], A_s)
+                T.copy(W[bx * bn, k * bk], W_s)
+                T.gemm(A_s, W_s, C_l, transpose_B=True, policy=policy)
+            if bias:
+                for i, j in T.Parallel(bm, bn):
+                    C_l[i, j] = apply_act(C_l[i, j] + Bias[bx * bn + j], act, T)
+            else:
+                for i, j in T.Parallel(bm, bn):
+                    C_l[i, j] = apply_act(C_l[i, j], act, T)
+            T.copy(C_l, C_s)
+            T.copy(C_s, C[by * bm, bx * bn])
+
+    return main
+
+
+def gemm_kernel(N: int, K: int, bias: bool = False, act: str = "none", cfg: GemmConfig = LARGE,
+                out_dtype: torch.dtype = torch.bfloat16):
+    """The compiled GEMM for (N, K, bias, act, cfg, out dtype), built once per process."""
+    od = {torch.bfloat16: _tl.BF16, torch.float32: _tl.F32}[out_dtype]
+    name = _tl.kernel_name("lf_gemm", n=N, k=K, b=int(bias), a=act, c=cfg.tag(), o=od)
+    return _tl.memo(("gemm", N, K, bias, act, cfg, od),
+                    lambda: _tl.compile_func(build_gemm(N, K, bias, act, cfg, od), name))
+
+
+def gemm(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, act: str = "none",
+         out: torch.Tensor | None = None, cfg: GemmConfig | None = None) -> torch.Tensor:
+    """Run the TileLang GEMM on CUDA tensors; returns `out` (allocated when None)."""
+    M, K = a.shape
+    N = w.shape[0]
+    cfg = cfg or pick_config(M, N, K)
+    if out is None:
+        out = torch.empty(M, N, dtype=torch.bfloat16, device=a.device)
+    b = bias if bias is not None else _zeros(N, a.device)
+    gemm_kernel(N, K, bias is not None, act, cfg, out.dtype)(a, w, b, out)
+    return out
+
+
+_ZEROS: dict[tuple, torch.Tensor] = {}
+
+
+def _zeros(n: int, device: torch.device) -> torch.Tensor:
+    key = (n, str(device))
+    z = _ZEROS.get(key)
+    if z is None:
+        z = _ZEROS[key] = torch.zeros(n, dtype=torch.float32, device=device)
+    return z
+
+
+def gemm_flops(M: int, N: int, K: int) -> float:
+    """Floating-point operations of one M x N x K product."""
+    return 2.0 * M * N * K
+
+
+__all__ = ["GemmConfig", "SMALL", "LARGE", "NARROW", "SMALL_M", "TUNED", "pick_config", "gemm_ref", "build_gemm",
+           "gemm_kernel", "gemm", "gemm_flops",
+           "apply_act"]

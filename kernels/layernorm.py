@@ -1,0 +1,124 @@
+"""Fused residual add + LayerNorm over rows of an fp32 residual stream, with or without a bias.
+
+Modes (X is the fp32 residual stream [M, D], R a bf16 branch output, Y the normalised output):
+  "add":         X += R (written back), then Y = LN(X) * w (+ b)
+  "plain":       Y = LN(X) * w (+ b)
+  "inplace":     X = LN(X) * w (+ b), and Y = X in Y's dtype (the embedding norm, which starts the stream)
+  "add_inplace": X = LN(X + R) * w (+ b), and Y = X in Y's dtype (the encoder's final norm)
+Y is bf16 (the next GEMM's input) or fp32 (the final norm, which feeds the fp32 head stream). The mean
+and variance are two-pass in fp32 registers: var = mean((x - mean)^2), then rsqrt(var + eps).
+"""
+
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from . import _tl
+
+MODES = ("add", "plain", "inplace", "add_inplace")
+
+
+@dataclass(frozen=True)
+class LNConfig:
+    """Rows per block and threads per block."""
+
+    bm: int = 4
+    threads: int = 128
+
+    def tag(self) -> str:
+        """A short text form, e.g. 4r128t."""
+        return "%dr%dt" % (self.bm, self.threads)
+
+
+def add_ln_ref(x: torch.Tensor, r: torch.Tensor | None, w: torch.Tensor, b: torch.Tensor | None, eps: float,
+               mode: str = "add", out_dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference: returns (new X fp32, Y in out_dtype) without touching the inputs."""
+    x = x.float()
+    if mode in ("add", "add_inplace"):
+        x = x + r.float()
+    y = F.layer_norm(x, (x.shape[-1],), w.float(), None if b is None else b.float(), eps)
+    if mode in ("inplace", "add_inplace"):
+        x = y
+    return x, y.to(out_dtype)
+
+
+def build_add_ln(D: int, mode: str = "add", bias: bool = False, eps: float = 1e-5, out_dtype: str = "bfloat16",
+                 cfg: LNConfig = LNConfig()):
+    """The TileLang PrimFunc main(X[M,D] f32, R[M,D] bf16, W[D] f32, B[D] f32, Y[M,D] out_dtype)."""
+    if mode not in MODES:
+        raise ValueError("mode must be one of %s, got %r" % (MODES, mode))
+    _, T = _tl.tl()
+    bm = cfg.bm
+    M = T.dynamic("M")
+    BF16, F32 = _tl.BF16, _tl.F32
+    inv_d = 1.0 / D
+    residual = mode in ("add", "add_inplace")
+    to_x = mode in ("inplace", "add_inplace")
+
+    @T.prim_func
+    def main(X: T.Tensor((M, D), F32), R: T.Tensor((M, D), BF16), Wt: T.Tensor((D,), F32), Bs: T.Tensor((D,), F32),
+             Y: T.Tensor((M, D), out_dtype)):
+        with T.Kernel(T.ceildiv(M, bm), threads=cfg.threads) as bx:
+            x = T.alloc_fragment((bm, D), F32)
+            t = T.alloc_fragment((bm, D), F32)
+            mean = T.alloc_fragment((bm,), F32)
+            var = T.alloc_fragment((bm,), F32)
+            T.copy(X[bx * bm, 0], x)
+            if residual:
+                T.copy(R[bx * bm, 0], t)
+                for i, j in T.Parallel(bm, D):
+                    x[i, j] = x[i, j] + t[i, j]
+                if not to_x:
+                    T.copy(x, X[bx * bm, 0])
+            T.reduce_sum(x, mean, dim=1)
+            for i in T.Parallel(bm):
+                mean[i] = mean[i] * inv_d
+            for i, j in T.Parallel(bm, D):
+                t[i, j] = (x[i, j] - mean[i]) * (x[i, j] - mean[i])
+            T.reduce_sum(t, var, dim=1)
+            for i in T.Parallel(bm):
+                var[i] = T.rsqrt(var[i] * inv_d + eps)
+            if bias:
+                for i, j in T.Parallel(bm, D):
+                    t[i, j] = (x[i, j] - mean[i]) * var[i] * Wt[j] + Bs[j]
+            else:
+                for i, j in T.Parallel(bm, D):
+                    t[i, j] = (x[i, j] - mean[i]) * var[i] * Wt[j]
+            if to_x:
+                T.copy(t, X[bx * bm, 0])
+            T.copy(t, Y[bx * bm, 0])
+
+    return main
+
+
+def _dt(dtype: torch.dtype) -> str:
+    return {torch.bfloat16: _tl.BF16, torch.float32: _tl.F32}[dtype]
+
+
+def add_ln_kernel(D: int, mode: str = "add", bias: bool = False, eps: float = 1e-5,
+                  out_dtype: torch.dtype = torch.bfloat16, cfg: LNConfig = LNConfig()):
+    """The compiled kernel for one (D, mode, bias, eps, out dtype, cfg), built once per process."""
+    od = _dt(out_dtype)
+    name = _tl.kernel_name("lf_addln", d=D, m=mode, b=int(bias), e="%g" % eps, o=od, c=cfg.tag())
+    return _tl.memo(("add_ln", D, mode, bias, float(eps), od, cfg),
+                    lambda: _tl.compile_func(build_add_ln(D, mode, bias, eps, od, cfg), name))
+
+
+def add_ln(x: torch.Tensor, r: torch.Tensor | None, w: torch.Tensor, b: torch.Tensor | None, eps: float,
+           y: torch.Tensor, mode: str = "add") -> torch.Tensor:
+    """Run the kernel in place on CUDA tensors (X updated per `mode`); returns y."""
+    D = x.shape[1]
+    rr = r if r is not None else _dummy(x.shape[0], D, x.device)
+    bb = b if b is not None else w
+    add_ln_kernel(D, mode, b is not None, eps, y.dtype)(x, rr, w, bb, y)
+    return y
+
+
+def _dummy(M: int, D: int, device: torch.device) -> torch.Tensor:
+    # R is not read outside the residual modes, but the host stub checks its shape and dtype
+    return torch.empty(M, D, dtype=torch.bfloat16, device=device)
+
+
+__all__ = ["LNConfig", "MODES", "add_ln_ref", "build_add_ln", "add_ln_kernel", "add_ln"]

@@ -1,0 +1,117 @@
+"""Build TileLang kernels ahead of time into the kernel cache (no GPU needed; sm_90a by default).
+
+    python -m kernels.precompile --shapes tiny modernbert-large --tests --sweep
+
+The cache (TileLang's, under `model.cache.local_dir("tilelang")`) is keyed by the kernel source, target
+and tilelang version, not by the machine's Python or paths, so a cache filled here serves the GPU box.
+Also home of the kernel lists that the GPU tests and the GEMM sweep use.
+"""
+
+import argparse
+import logging
+import time
+
+import torch
+
+from . import attention as _attn
+from . import geglu as _geglu
+from . import gemm as _gemm
+from .forward import compile_specs, kernel_specs
+
+BF = torch.bfloat16
+
+# Candidate large-M tiles for the sweep (Hopper: 2 consumer warpgroups + a TMA producer warpgroup).
+SWEEP_GEMM = (
+    _gemm.LARGE,
+    _gemm.GemmConfig(bm=128, bn=128, bk=64, stages=4, threads=256),
+    _gemm.GemmConfig(bm=128, bn=256, bk=64, stages=4, threads=256),
+    _gemm.GemmConfig(bm=128, bn=192, bk=64, stages=4, threads=256),
+)
+SWEEP_GEGLU = (
+    _geglu.LARGE,
+    _geglu.GegluConfig(bm=128, bn=128, bk=64, stages=3, threads=256),
+    _geglu.GegluConfig(bm=128, bn=64, bk=64, stages=4, threads=256),
+)
+
+
+def shape_dims(shape: str) -> dict:
+    """Model dimensions of a make-checkpoint shape: d, heads, inter, ffn, windows."""
+    from model.make_checkpoint import SHAPES
+
+    s = SHAPES[shape]
+    return dict(d=s["hidden"], heads=s["heads"], inter=s["ff"], ffn=4 * s["hidden"], windows={0, 64})
+
+
+def model_specs(shape: str) -> list[tuple[str, tuple]]:
+    """The kernels a make-checkpoint shape's fast forward uses."""
+    return kernel_specs(**shape_dims(shape))
+
+
+def gemm_shapes(d: int, inter: int, ffn: int) -> list[tuple[str, int, int]]:
+    """(name, N, K) of every distinct GEMM of encoder + head; "geglu" rows give (F, K)."""
+    return [("wqkv", 3 * d, d), ("wo", d, d), ("wi_geglu", inter, d), ("wo_mlp", d, inter),
+            ("head_ffn1", ffn, d), ("head_ffn2", d, ffn)]
+
+
+def sweep_specs(shape: str = "modernbert-large") -> list[tuple[str, tuple]]:
+    """Every candidate config of every GEMM shape of `shape` (no bias, and the bias / activation variants
+    the head uses, since a winner is used there too), and every attention candidate."""
+    dims = shape_dims(shape)
+    d, ffn = dims["d"], dims["ffn"]
+    out = []
+    for name, N, K in gemm_shapes(d, dims["inter"], ffn):
+        if name == "wi_geglu":
+            out += [("geglu", (N, K, c)) for c in SWEEP_GEGLU]
+        else:
+            out += [("gemm", (N, K, False, "none", c, BF)) for c in SWEEP_GEMM]
+    for c in SWEEP_GEMM:
+        out += [("gemm", (3 * d, d, True, "none", c, BF)), ("gemm", (d, d, True, "none", c, BF)),
+                ("gemm", (d, d, True, "gelu", c, BF)), ("gemm", (ffn, d, True, "relu", c, BF)),
+                ("gemm", (d, ffn, True, "none", c, BF))]
+    for c in _attn.CANDIDATES:
+        out += [("attention", (dims["heads"], w, c)) for w in (0, 64)]
+    return out
+
+
+def test_specs() -> list[tuple[str, tuple]]:
+    """The kernels tests/test_kernels.py runs (awkward sizes are runtime M, so few compiles)."""
+    out = [("gemm", (3072, 1024, False, "none", c, BF)) for c in (_gemm.SMALL, _gemm.LARGE)]
+    out += [("gemm", (1024, 1024, True, "gelu", c, BF)) for c in (_gemm.SMALL, _gemm.LARGE)]
+    out += [("gemm", (1024, 2624, False, "none", c, BF)) for c in (_gemm.SMALL, _gemm.LARGE)]
+    out += [("gemm", (4096, 1024, True, "relu", _gemm.LARGE, BF)),
+            ("gemm", (16, 1024, True, "none", _gemm.NARROW, torch.float32))]
+    out += [("geglu", (2624, 1024, c)) for c in (_geglu.SMALL, _geglu.LARGE)]
+    for mode in ("add", "plain", "inplace", "add_inplace"):
+        for bias in (False, True):
+            out.append(("add_ln", (1024, mode, bias, 1e-5, BF)))
+    out.append(("rope", (16,)))
+    for c in _attn.CANDIDATES:
+        out += [("attention", (16, w, c)) for w in (0, 64)] + [("attention", (2, 0, c))]
+    return out
+
+
+def main(argv=None) -> int:
+    """CLI entry point; returns the exit status."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", nargs="*", default=["tiny", "modernbert-large"])
+    ap.add_argument("--tests", action="store_true", help="also the kernels of tests/test_kernels.py")
+    ap.add_argument("--sweep", action="store_true", help="also the GEMM sweep candidates")
+    ap.add_argument("--workers", type=int, default=None)
+    a = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO)
+    specs = []
+    for s in a.shapes:
+        specs += model_specs(s)
+    if a.tests:
+        specs += test_specs()
+    if a.sweep:
+        specs += sweep_specs()
+    specs = list(dict.fromkeys(specs))
+    t = time.perf_counter()
+    compile_specs(specs, a.workers)
+    print("%d kernels ready in %.1fs" % (len(specs), time.perf_counter() - t))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,259 @@
+"""Kernel tests: the torch references against independent formulas (CPU), a compile check for sm_90a (needs
+tilelang, no GPU), and every TileLang kernel against its reference at awkward sizes (GPU)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import attention, geglu, gemm, layernorm, rope
+from kernels.forward import row_capacity, token_buckets
+
+HAS_TILELANG = importlib.util.find_spec("tilelang") is not None
+needs_tilelang = pytest.mark.skipif(not HAS_TILELANG, reason="needs tilelang")
+
+
+def _packed_qkv(lengths, heads, extra=0, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    total = int(sum(lengths))
+    qkv = torch.randn(total + extra, 3 * heads * 64, generator=g)
+    qkv[total:] = 0  # stream padding: finite, like the forward's zero-filled buffers
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int32), 0)
+    return qkv.to(device), cu.to(device)
+
+
+# -- CPU: references and host-side helpers ------------------------------------------------------
+def test_tile_table_covers_every_row_once():
+    lengths = [1, 64, 65, 130, 7, 1024]
+    t = attention.tile_table(lengths, 64, capacity=40, empty_row=9)
+    real = [(int(r), int(q)) for r, q in t if r != 9]
+    expect = [(i, q) for i, n in enumerate(lengths) for q in range(0, n, 64)]
+    assert real == expect
+    assert (t[len(expect):] == [9, 0]).all()
+    with pytest.raises(ValueError):
+        attention.tile_table(lengths, 64, capacity=3)
+
+
+@pytest.mark.parametrize("window", [0, 64])
+def test_attention_references_agree(window):
+    lengths = [1, 5, 64, 65, 200]
+    qkv, cu = _packed_qkv(lengths, heads=2, extra=11)
+    ref = attention.attention_ref(qkv, cu, 2, window)
+    row = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    pos = torch.cat([torch.arange(n) for n in lengths])
+    row = torch.cat([row, torch.full((11,), -1)])
+    pos = torch.cat([pos, torch.zeros(11, dtype=torch.long)])
+    dense = attention.attention_dense(qkv, row, pos, 2, window)
+    total = sum(lengths)
+    torch.testing.assert_close(dense[:total], ref[:total], atol=1e-5, rtol=1e-5)
+    # a length-1 row attends only to itself
+    torch.testing.assert_close(ref[0], qkv[0, 2 * 128:3 * 128])
+
+
+def test_rope_ref_matches_transformers():
+    from transformers.models.modernbert.modeling_modernbert import apply_rotary_pos_emb
+
+    heads, n = 2, 37
+    qkv = torch.randn(n, 3 * heads * 64)
+    cos, sin = rope.rope_tables(160000.0, 64)
+    pos = torch.arange(n, dtype=torch.int32)
+    out = rope.rope_ref(qkv, pos, cos, sin, heads).view(n, 3, heads, 64)
+    x = qkv.view(n, 3, heads, 64)
+    c2 = torch.cat([cos[:n], cos[:n]], -1)[None]
+    s2 = torch.cat([sin[:n], sin[:n]], -1)[None]
+    q, k = apply_rotary_pos_emb(x[:, 0].transpose(0, 1)[None], x[:, 1].transpose(0, 1)[None], c2, s2)
+    torch.testing.assert_close(out[:, 0], q[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[:, 1], k[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[:, 2], x[:, 2])
+
+
+def test_add_ln_ref_modes():
+    x = torch.randn(5, 32) * 30
+    r = torch.randn(5, 32).bfloat16()
+    w, b = torch.rand(32) + 0.5, torch.randn(32)
+    xa, ya = layernorm.add_ln_ref(x, r, w, b, 1e-5, "add")
+    assert torch.equal(xa, x + r.float())
+    torch.testing.assert_close(ya, F.layer_norm(x + r.float(), (32,), w, b, 1e-5).bfloat16())
+    xp, yp = layernorm.add_ln_ref(x, None, w, None, 1e-5, "plain", torch.float32)
+    assert torch.equal(xp, x)
+    xi, yi = layernorm.add_ln_ref(x, r, w, None, 1e-5, "add_inplace", torch.float32)
+    assert torch.equal(xi, yi)
+
+
+def test_geglu_ref_is_first_half_gelu_times_second():
+    a = torch.randn(3, 16)
+    wi = torch.randn(10, 16)
+    y = a @ wi.t()
+    torch.testing.assert_close(geglu.geglu_ref(a, wi), F.gelu(y[:, :5]) * y[:, 5:])
+
+
+def test_token_buckets():
+    b = token_buckets(65536)
+    assert b[0] == 64 and b[-1] == 65536 and b == sorted(set(b))
+    assert all(x % 64 == 0 for x in b)
+    assert max(b[i + 1] / b[i] for i in range(len(b) - 1)) <= 2
+    assert all(b[i + 1] / b[i] <= 1.26 for i in range(len(b) - 1) if b[i] >= 512)
+    assert token_buckets(100)[-1] == 128
+    assert row_capacity(64) == 8 and row_capacity(65536) == 4096
+
+
+# -- compile only (tilelang, no GPU) -----------------------------------------------------------
+@needs_tilelang
+def test_kernels_compile_for_hopper(monkeypatch):
+    monkeypatch.setenv("LAYA_FLEET_TL_ARCH", "sm_90a")
+    ln = layernorm.add_ln_kernel(128, "add", False, 1e-5, torch.bfloat16)
+    assert "__launch_bounds__" in ln.get_kernel_source()
+    at = attention.attention_kernel(2, 64)
+    src = at.get_kernel_source()
+    assert "wgmma" in src and "tma_load" in src
+
+
+# -- GPU: every kernel against its reference at awkward sizes ----------------------------------
+gpu = pytest.mark.gpu
+DEV = "cuda"
+
+
+def _poison(*shape, dtype=torch.bfloat16):
+    return torch.full(shape, float("nan"), dtype=dtype, device=DEV)
+
+
+def _close(out, ref, tol):
+    out, ref = out.float(), ref.float()
+    assert torch.isfinite(out).all(), "unwritten or non-finite outputs"
+    err = (out - ref).norm() / ref.norm().clamp_min(1e-6)
+    assert err < tol, "relative error %.3g >= %.3g" % (err, tol)
+    assert (out - ref).abs().max() <= 0.05 * ref.abs().max() + 1e-3
+
+
+@gpu
+@needs_tilelang
+@pytest.mark.parametrize("M", [1, 77, 200, 1000])
+@pytest.mark.parametrize("N,K,bias,act", [(3072, 1024, False, "none"), (1024, 1024, True, "gelu"),
+                                          (1024, 2624, False, "none")])
+@pytest.mark.parametrize("cfg", ["SMALL", "LARGE"])
+def test_gemm(M, N, K, bias, act, cfg):
+    a = torch.randn(M, K, device=DEV).bfloat16()
+    w = (torch.randn(N, K, device=DEV) * K ** -0.5).bfloat16()
+    b = torch.randn(N, device=DEV) if bias else None
+    out = _poison(M, N)
+    gemm.gemm(a, w, b, act, out=out, cfg=getattr(gemm, cfg))
+    _close(out, gemm.gemm_ref(a, w, b, act), 1e-2)
+
+
+@gpu
+@needs_tilelang
+@pytest.mark.parametrize("M", [5, 1000])
+def test_gemm_relu_and_narrow_fp32(M):
+    a = torch.randn(M, 1024, device=DEV).bfloat16()
+    w = (torch.randn(4096, 1024, device=DEV) / 32).bfloat16()
+    b = torch.randn(4096, device=DEV)
+    out = _poison(M, 4096)
+    gemm.gemm(a, w, b, "relu", out=out, cfg=gemm.LARGE)
+    _close(out, gemm.gemm_ref(a, w, b, "relu"), 1e-2)
+    w16 = torch.zeros(16, 1024, device=DEV)
+    w16[0] = torch.randn(1024, device=DEV) / 32
+    w16 = w16.bfloat16()
+    b16 = torch.zeros(16, device=DEV)
+    b16[0] = 0.3
+    o16 = _poison(M, 16, dtype=torch.float32)
+    gemm.gemm(a, w16, b16, out=o16, cfg=gemm.NARROW)
+    _close(o16[:, 0], gemm.gemm_ref(a, w16, b16, out_dtype=torch.float32)[:, 0], 1e-4)
+
+
+@gpu
+@needs_tilelang
+@pytest.mark.parametrize("M", [1, 77, 1000])
+@pytest.mark.parametrize("cfg", ["SMALL", "LARGE"])
+def test_geglu(M, cfg):
+    a = torch.randn(M, 1024, device=DEV).bfloat16()
+    wi = (torch.randn(2 * 2624, 1024, device=DEV) / 32).bfloat16()
+    out = _poison(M, 2624)
+    geglu.geglu(a, wi, out=out, cfg=getattr(geglu, cfg))
+    _close(out, geglu.geglu_ref(a, wi), 1.5e-2)
+
+
+@gpu
+@needs_tilelang
+@pytest.mark.parametrize("M", [1, 77, 1003])
+@pytest.mark.parametrize("mode", ["add", "plain", "inplace", "add_inplace"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_add_ln(M, mode, bias):
+    x = torch.randn(M, 1024, device=DEV) * 3000
+    r = (torch.randn(M, 1024, device=DEV) * 50).bfloat16()
+    w = torch.rand(1024, device=DEV) + 0.5
+    b = torch.randn(1024, device=DEV) if bias else None
+    xr, yr = layernorm.add_ln_ref(x, r, w, b, 1e-5, mode)
+    xk = x.clone()
+    y = _poison(M, 1024)
+    layernorm.add_ln(xk, r if mode in ("add", "add_inplace") else None, w, b, 1e-5, y, mode)
+    if mode == "add":
+        assert torch.equal(xk, x + r.float())  # the fp32 stream is exact
+    elif mode == "plain":
+        assert torch.equal(xk, x)
+    else:
+        torch.testing.assert_close(xk, xr, atol=2e-5, rtol=1e-5)
+    _close(y, yr, 1e-2)
+
+
+@gpu
+@needs_tilelang
+@pytest.mark.parametrize("M", [1, 1000])
+@pytest.mark.parametrize("theta", [160000.0, 10000.0])
+def test_rope(M, theta):
+    heads = 16
+    qkv = torch.randn(M, 3 * heads * 64, device=DEV).bfloat16()
+    pos = torch.randint(0, 1024, (M,), device=DEV, dtype=torch.int32)
+    cos, sin = rope.rope_tables(theta, 1024, DEV)
+    ref = rope.rope_ref(qkv, pos, cos, sin, heads)
+    rope.rope(qkv, pos, cos, sin, heads)
+    _close(qkv, ref, 5e-3)
+    assert torch.equal(qkv[:, 2048:], ref[:, 2048:])  # V untouched
+
+
+ATTN_CASES = [
+    [1],
+    [1, 2, 3],
+    [63, 64, 65, 127, 128, 129],
+    [1024, 1, 300],
+    [7, 513, 1, 1000, 64],
+]
+
+
+@gpu
+@needs_tilelang
+@pytest.mark.parametrize("lengths", ATTN_CASES)
+@pytest.mark.parametrize("heads,window", [(16, 0), (16, 64), (2, 0)])
+@pytest.mark.parametrize("cfg", attention.CANDIDATES, ids=lambda c: c.tag())
+def test_attention(lengths, heads, window, cfg):
+    extra, empty = 37, 3
+    qkv, cu = _packed_qkv(lengths, heads, extra=extra, seed=len(lengths), device=DEV)
+    qkv = qkv.bfloat16()
+    total = int(sum(lengths))
+    # trailing empty rows (a padded bucket) and spare tile-table entries pointing at one of them
+    cu_full = torch.cat([cu, cu[-1:].repeat(empty)])
+    bm = cfg.bm
+    tiles = attention.tile_table(lengths, bm, capacity=-(-total // bm) + len(lengths) + 5, empty_row=len(lengths))
+    tiles_t = torch.from_numpy(tiles).to(DEV)
+    out = _poison(total + extra, heads * 64)
+    attention.attention(qkv, cu_full, tiles_t, heads, window, out=out, cfg=cfg)
+    ref = attention.attention_ref(qkv, cu, heads, window)
+    _close(out[:total], ref[:total], 1e-2)
+    assert torch.isnan(out[total:].float()).all(), "wrote outside every row"
+
+
+@gpu
+@needs_tilelang
+def test_attention_every_length_up_to_1024():
+    lengths = list(np.random.default_rng(0).permutation(np.arange(1, 1025)))[:160] + [1024, 1]
+    qkv, cu = _packed_qkv(lengths, 2, seed=3, device=DEV)
+    qkv = qkv.bfloat16()
+    tiles = torch.from_numpy(attention.tile_table(lengths, attention.DEFAULT.bm)).to(DEV)
+    for window in (0, 64):
+        out = _poison(qkv.shape[0], 128)
+        attention.attention(qkv, cu, tiles, 2, window, out=out)
+        _close(out, attention.attention_ref(qkv, cu, 2, window), 1e-2)
