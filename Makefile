@@ -25,9 +25,10 @@ $(CHECKPOINT)/model.safetensors: | $(BIN)/.installed
 
 checkpoint: $(CHECKPOINT)/model.safetensors
 
+# Ray Serve on the embedded default: a local Ray, one CPU scorer replica over checkpoints/tiny, HTTP on
+# 127.0.0.1:8000 (POST /v1/systemone; docs at /docs). Ctrl-C stops Serve and the local Ray.
 serve: setup checkpoint
-	$(BIN)/laya-fleet predict --checkpoint $(CHECKPOINT) --pretty --questions configs/example_questions.json \
-		--state "Hi, my order #1234 arrived broken and I want my money back today."
+	$(BIN)/serve run configs/local.yaml
 
 test: setup
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)

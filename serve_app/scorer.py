@@ -41,6 +41,30 @@ def is_oom(exc: BaseException) -> bool:
     return isinstance(exc, (RuntimeError, MemoryError)) and "out of memory" in str(exc).lower()
 
 
+def select_device(device: str | None = "auto") -> str:
+    """The device a scorer should use: `auto`/None = CUDA when torch can use it, else CPU.
+
+    A Ray actor with `num_gpus` gets `CUDA_VISIBLE_DEVICES` even when the GPUs are only logical (a CPU
+    machine started with `--num-gpus`) or torch is a CPU build; `auto` then runs on CPU and says so.
+    An explicit `cuda` that is not usable raises ValueError instead of failing later in a forward.
+    """
+    import torch
+
+    want = "auto" if device in (None, "", "auto") else str(device)
+    usable = torch.cuda.is_available()
+    if want == "auto":
+        if usable:
+            return "cuda"
+        if os.environ.get("CUDA_VISIBLE_DEVICES"):
+            log.warning("GPUs %s assigned but torch cannot use CUDA (torch %s); scoring on CPU",
+                        os.environ["CUDA_VISIBLE_DEVICES"], torch.__version__)
+        return "cpu"
+    if want.startswith("cuda") and not usable:
+        raise ValueError("device %r requested but torch cannot use CUDA here (CUDA_VISIBLE_DEVICES=%r); "
+                         "use device 'auto' or 'cpu'" % (want, os.environ.get("CUDA_VISIBLE_DEVICES")))
+    return want
+
+
 @dataclass
 class ScorerStats:
     """Counters a scorer exposes (metrics and the offline summary read them)."""

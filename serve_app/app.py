@@ -1,0 +1,94 @@
+"""The Serve application builder: `import_path: serve_app.app:build_app` with typed `args`.
+
+    Ingress (FastAPI, CPU)  --DeploymentHandle, rows-->  Scorer (one per GPU, token-budget batching)
+
+`args` (an `AppArgs`) fix what a replica is built from (checkpoint, backend, resources, limits, auth);
+changing them restarts replicas. The scorer's batching policy is its `user_config`
+(`deployments: [{name: Scorer, user_config: {...}}]` in the config file), applied live by
+`reconfigure`; `args.batching` is only its default when the config file sets none.
+"""
+
+import logging
+import os
+
+from pydantic import BaseModel, ConfigDict, Field
+from ray.serve import Application
+
+from .ingress import Ingress, Limits
+from .scorer_deployment import BatchingPolicy, ScorerDeployment
+
+log = logging.getLogger(__name__)
+
+
+class ScorerOptions(BaseModel):
+    """Resources and threads of each scorer replica (one replica per GPU in production)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    num_gpus: float = Field(0, ge=0, description="GPUs per replica: 1 in production, 0 on CPU")
+    num_cpus: float = Field(1, ge=0, description="logical CPUs per replica")
+    memory: int | None = Field(None, ge=0, description="bytes of memory to reserve per replica")
+    accelerator_type: str | None = Field(None, description="e.g. H100; None = any")
+    torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads (CPU forwards)")
+
+
+class IngressOptions(BaseModel):
+    """Resources of each ingress replica (tokenization and decoding run here)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    num_cpus: float = Field(0.5, ge=0)
+    cpu_threads: int = Field(2, ge=1, description="threads for tokenizing / decoding large requests")
+
+
+class AppArgs(BaseModel):
+    """Typed builder arguments (the `args:` block of a Serve config file)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    checkpoint: str = Field(description="checkpoint directory (upstream Laya bundle); relative = from the cwd")
+    backend: str = Field("auto", description="auto | eager | fast | compile | aot")
+    device: str = Field("auto", description="auto (CUDA when usable, else CPU) | cpu | cuda")
+    cache_dir: str | None = Field(None, description="shared compile-cache root; None = $LAYA_FLEET_CACHE_DIR")
+    api_key_env: str | None = Field(None, description="NAME of the env var holding the bearer key; None = no auth")
+    docs: bool = Field(True, description="serve /docs, /redoc and /openapi.json")
+    warmup: bool = True
+    limits: Limits = Field(default_factory=Limits)
+    batching: BatchingPolicy = Field(default_factory=BatchingPolicy,
+                                     description="default scorer user_config when the config file sets none")
+    scorer: ScorerOptions = Field(default_factory=ScorerOptions)
+    ingress: IngressOptions = Field(default_factory=IngressOptions)
+    backend_wrapper: str | None = Field(None, description="'module:callable' wrapping the scorer's backend "
+                                                          "(fault injection in tests, instrumentation)")
+
+
+def _checkpoint_path(path: str) -> str:
+    if os.path.isabs(path):
+        return path
+    full = os.path.abspath(path)
+    if not os.path.isdir(full):
+        log.warning("checkpoint %r not found from %s; replicas will resolve it from their own cwd", path, os.getcwd())
+        return path
+    return full
+
+
+def build_app(args: AppArgs) -> Application:
+    """The Serve application (Ingress bound to a Scorer handle) for these arguments."""
+    if isinstance(args, dict):  # called directly rather than through Serve's builder machinery
+        args = AppArgs.model_validate(args)
+    checkpoint = _checkpoint_path(args.checkpoint)
+    actor = {"num_cpus": args.scorer.num_cpus, "num_gpus": args.scorer.num_gpus}
+    if args.scorer.memory:
+        actor["memory"] = args.scorer.memory
+    if args.scorer.accelerator_type:
+        actor["accelerator_type"] = args.scorer.accelerator_type
+    scorer = ScorerDeployment.options(ray_actor_options=actor, user_config=args.batching.model_dump()).bind(
+        checkpoint, backend=args.backend, device=args.device, cache_dir=args.cache_dir, warmup=args.warmup,
+        torch_threads=args.scorer.torch_threads, backend_wrapper=args.backend_wrapper,
+        batching=args.batching.model_dump())
+    ingress = Ingress.options(ray_actor_options={"num_cpus": args.ingress.num_cpus}).bind(
+        scorer, checkpoint, limits=args.limits.model_dump(), api_key_env=args.api_key_env, docs=args.docs,
+        cpu_threads=args.ingress.cpu_threads)
+    log.info("built laya-fleet app: checkpoint %s, backend %s, scorer %s, ingress %s", checkpoint, args.backend,
+             actor, args.ingress.model_dump())
+    return ingress

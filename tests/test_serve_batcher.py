@@ -1,0 +1,116 @@
+"""The scorer replica's cross-request batcher on a real Scorer (no Ray): budget, FIFO, window, poison, cancel."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+
+from serve_app.batcher import TokenBatcher
+from serve_app.scorer import Scorer
+
+from .serve_helpers import POISON, FaultInjector
+
+
+@pytest.fixture(scope="module")
+def scorer(tiny_checkpoint, engine):
+    s = Scorer(tiny_checkpoint, backend="eager", device="cpu", max_batch_tokens=600)
+    s.engine.backend = FaultInjector(s.engine.backend, s.engine)
+    yield s
+    s.close()
+
+
+def _rows(engine, text: str, n_questions: int = 3):
+    qs = {"q%d" % i: {"type": "choice", "instructions": "which one?", "criteria": ["a", "b", "c"]}
+          for i in range(n_questions)}
+    return engine.encode(text, engine.prepare(qs)).rows
+
+
+def _run(coro):
+    return asyncio.run(coro)
+
+
+def test_requests_are_batched_fifo_under_the_budget_and_a_big_one_runs_alone(scorer, engine):
+    reqs = [_rows(engine, "short state number %d" % i) for i in range(6)]
+    reqs.insert(3, _rows(engine, "a long state " * 60, n_questions=8))  # alone over the 600-token budget
+    records = []
+
+    async def go():
+        b = TokenBatcher(scorer.score_rows_async, lambda: scorer.budget, max_wait_s=0.05, on_batch=records.append)
+        outs = await asyncio.gather(*(b.submit(r) for r in reqs))
+        await b.close()
+        return outs
+
+    outs = _run(go())
+    assert sum(r.requests for r in records) == len(reqs)
+    sizes = [r.requests for r in records]
+    tokens = [r.tokens for r in records]
+    big = sum(len(r) for r in reqs[3])
+    assert big > 600 and big in tokens and sizes[tokens.index(big)] == 1  # ran, by itself
+    assert all(t <= 600 for t in tokens if t != big) and max(sizes) > 1
+    # FIFO: the batches are the greedy in-order partition of the queue under the budget
+    expected, cur = [], []
+    for n in (sum(len(r) for r in rows) for rows in reqs):
+        if cur and sum(cur) + n > 600:
+            expected.append((len(cur), sum(cur)))
+            cur = []
+        cur.append(n)
+    expected.append((len(cur), sum(cur)))
+    assert [(r.requests, r.tokens) for r in records] == expected
+    for rows, (logits, act) in zip(reqs, outs):
+        want_l, want_a = engine.score(rows)
+        assert logits.shape[0] == len(rows) and np.allclose(logits[:, :want_l.shape[1]], want_l, atol=1e-4)
+        assert np.allclose(act, want_a, atol=1e-5)
+
+
+def test_window_holds_the_first_request_until_others_can_join(scorer, engine):
+    records = []
+
+    async def go():
+        b = TokenBatcher(scorer.score_rows_async, lambda: 10 ** 6, max_wait_s=0.25, on_batch=records.append)
+        t = time.monotonic()
+        first = asyncio.ensure_future(b.submit(_rows(engine, "first")))
+        await asyncio.sleep(0.1)
+        await asyncio.gather(first, *(b.submit(_rows(engine, "late %d" % i)) for i in range(3)))
+        waited = time.monotonic() - t
+        await b.close()
+        return waited
+
+    waited = _run(go())
+    assert waited >= 0.25 and [r.requests for r in records] == [4]
+    assert max(records[0].waits_s) >= 0.25 > min(records[0].waits_s)
+
+
+def test_a_failing_batch_is_retried_per_request_so_only_the_poison_fails(scorer, engine):
+    records = []
+
+    async def go():
+        b = TokenBatcher(scorer.score_rows_async, lambda: 10 ** 6, max_wait_s=0.1, on_batch=records.append)
+        reqs = [_rows(engine, "good %d" % i) for i in range(4)]
+        reqs.insert(2, engine.encode(POISON, engine.prepare({"q": {"type": "noul", "instructions": "?"}})).rows)
+        outs = await asyncio.gather(*(b.submit(r) for r in reqs), return_exceptions=True)
+        await b.close()
+        return outs
+
+    outs = _run(go())
+    assert isinstance(outs[2], ValueError) and "poisoned" in str(outs[2])
+    assert all(isinstance(o, tuple) for i, o in enumerate(outs) if i != 2)
+    assert len(records) == 1 and records[0].fallback and records[0].requests == 5
+
+
+def test_a_cancelled_request_is_dropped_before_it_is_scored(scorer, engine):
+    records = []
+
+    async def go():
+        b = TokenBatcher(scorer.score_rows_async, lambda: 10 ** 6, max_wait_s=0.2, on_batch=records.append)
+        gone = asyncio.ensure_future(b.submit(_rows(engine, "client went away")))
+        kept = asyncio.ensure_future(b.submit(_rows(engine, "still here")))
+        await asyncio.sleep(0.05)
+        gone.cancel()
+        await kept
+        await b.close()
+
+    _run(go())
+    assert [r.requests for r in records] == [1] and records[0].rows == 3

@@ -1,0 +1,49 @@
+"""configs/local.yaml and configs/prod.yaml parse as Serve configs and as our builder's typed args."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+from ray.serve.schema import ServeDeploySchema
+
+from serve_app.app import AppArgs, build_app
+from serve_app.scorer_deployment import BatchingPolicy
+
+from .serve_helpers import deployment, load_config
+
+
+@pytest.mark.parametrize("name", ["local.yaml", "prod.yaml"])
+def test_config_parses_as_serve_schema_and_typed_args(name):
+    cfg = load_config(name)
+    ServeDeploySchema.model_validate(cfg)
+    (app,) = cfg["applications"]
+    assert app["import_path"] == "serve_app.app:build_app"
+    args = AppArgs.model_validate(app["args"])
+    scorer, ingress = deployment(app, "Scorer"), deployment(app, "Ingress")
+    BatchingPolicy.model_validate(scorer["user_config"])
+    for d in (scorer, ingress):
+        assert "ray_actor_options" not in d  # resources come from args (Serve would replace them whole)
+        assert 0 < d["max_queued_requests"] and d["max_ongoing_requests"] >= 256
+    assert ingress["backpressure_config"]["retry_after_s"] >= 1
+    if name == "local.yaml":
+        assert cfg["http_options"]["host"] == "127.0.0.1" and args.checkpoint == "checkpoints/tiny"
+        assert args.scorer.num_gpus == 0 and args.device == "cpu" and args.api_key_env is None
+        assert args.scorer.num_cpus + args.ingress.num_cpus <= 2  # schedules on a 2-core laptop
+    else:
+        assert args.scorer.num_gpus == 1 and args.device == "auto" and args.api_key_env == "LAYA_FLEET_API_KEY"
+        auto = scorer["autoscaling_config"]
+        assert auto["min_replicas"] == 1 and auto["max_replicas"] >= 1 and auto["target_ongoing_requests"] > 0
+        assert auto["upscale_delay_s"] > 0 and auto["downscale_delay_s"] > auto["upscale_delay_s"]
+        assert "autoscaling_config" in ingress and "num_replicas" not in scorer
+        assert app["runtime_env"]["env_vars"]["LAYA_FLEET_CACHE_DIR"] and args.cache_dir is None
+
+
+def test_builder_rejects_unknown_or_invalid_args():
+    with pytest.raises(ValidationError):
+        AppArgs.model_validate({"checkpoint": "x", "scorer": {"num_gpu": 1}})
+    with pytest.raises(ValidationError):
+        BatchingPolicy.model_validate({"max_batch_tokens": 8})
+    with pytest.raises(ValidationError):
+        BatchingPolicy.model_validate({"batch_wait_s": 0.1})
+    app = build_app({"checkpoint": "/nonexistent/ckpt", "scorer": {"num_gpus": 1}})
+    assert type(app).__name__ == "Application"
