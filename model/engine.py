@@ -161,8 +161,17 @@ class Engine:
         return results
 
     def warmup(self, max_batch_tokens: int | None = None) -> float:
-        """Build every shape the backend will use before traffic; returns seconds spent."""
-        return self.backend.warmup(max_batch_tokens)
+        """Build every shape the backend will use before traffic, then publish what this process compiled
+        to the shared cache (kinds that were not seeded from it); returns seconds spent, publishing included."""
+        import time
+
+        t = time.perf_counter()
+        self.backend.warmup(max_batch_tokens)
+        session = getattr(self, "cache", None)
+        if session is not None and session.keys:
+            for kind, status in session.publish().items():
+                log.info("cache %s: %s", kind, status)
+        return time.perf_counter() - t
 
 
 def resolve_device(device: Any = None) -> torch.device:
@@ -172,13 +181,33 @@ def resolve_device(device: Any = None) -> torch.device:
     return torch.device(device)
 
 
-def load(path: str, device: Any = None, backend: str = "auto", **options: Any) -> Engine:
-    """Load a checkpoint directory and return a ready `Engine` (see `model.backends` for `backend`)."""
-    from .backends import make_backend
+def load(path: str, device: Any = None, backend: str = "auto", cache_dir: str | None = None,
+         **options: Any) -> Engine:
+    """Load a checkpoint directory and return a ready `Engine` (see `model.backends` for `backend`).
+
+    For backends that compile (`compile`, `aot`, `fast`, and `auto` on CUDA) this first configures the
+    process's compiler caches under `cache_dir` (argument, else $LAYA_FLEET_CACHE_DIR, else
+    ~/.cache/laya-fleet): node-local compile dirs, seeded from the shared cache before anything compiles;
+    `Engine.warmup()` publishes what was compiled. The session is `engine.cache` (None for eager).
+    """
+    from . import cache as _cache
+    from .backends import ALIASES, make_backend
 
     bundle = open_bundle(path)
-    model = load_model(bundle)
     dev = resolve_device(device)
+    name = ALIASES.get(backend, backend)
+    if name == "auto":
+        name = "fast" if dev.type == "cuda" else "eager"
+    session, ckpt = None, None
+    if name in _cache.BACKEND_KINDS and name != "eager":
+        kinds = tuple(k for k in _cache.BACKEND_KINDS[name] if dev.type == "cuda" or k == "inductor")
+        ckpt = checkpoint_hash(bundle.path) if kinds else None
+        session = _cache.configure(cache_dir, ckpt, dev, kinds)
+    model = load_model(bundle)
     be = make_backend(backend, model, bundle, dev, **options)
     log.info("loaded %s on %s with the %s backend", path, dev, be.name)
-    return Engine(bundle, be)
+    engine = Engine(bundle, be)
+    engine.cache = session
+    if ckpt:
+        engine._hash = ckpt
+    return engine

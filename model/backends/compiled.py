@@ -1,0 +1,377 @@
+"""`compile` (torch.compile) and `aot` (AOTInductor package) backends over the padded DecisionModel.
+
+Shapes. Every batch is right-padded so that tokens are a multiple of 16 (at least 32) and markers at
+least 2, and both are declared dynamic; rows are marked dynamic softly (inductor on CUDA may bound them
+for a grid limit, which a declared range would turn into a compile error). The `compile` backend
+passes tokens as a [rows, tokens/16, 16] view that the graph flattens back, so inductor knows
+symbolically that L is a multiple of 16; that is what lets it hand ModernBERT's [rows, 1, L, L]
+attention bias to the SDPA kernel as a broadcast view instead of materialising rows x heads x L x L
+(its stride-alignment rule needs L % 8 == 0 to be provable). `aot` declares the same with
+`torch.export.Dim` (tokens = 16 * t). Padding tokens/16 and markers away from 1 avoids torch's 0/1
+specialisation on those axes; a single row is left static, so `compile` builds two graphs, "batch"
+(rows >= 2) and "single row", both in `warmup()`. Duck sizing is switched off while a compiled call
+runs, so equal sizes at trace time never tie axes.
+
+Precision. CPU runs fp32 (answers within ~1e-5 of eager). On CUDA, `compile` keeps fp32 weights under
+bf16 autocast like the eager backend (fp32 residual stream), and `aot` packages a bf16 copy of the
+parameters with no autocast (the dtype-explicit action head is what makes that export work); RoPE
+buffers stay fp32.
+
+Caches. `model.load` points inductor / Triton at node-local dirs and seeds them from the shared cache
+before this backend compiles (`model.cache`); AOTI packages are keyed per (checkpoint, arch, torch,
+CUDA, dtype), built by `laya-fleet aot` (or on a miss when `build=True` / LAYA_FLEET_AOT_BUILD=1) and
+loaded with `torch._inductor.aoti_load_package`, which compiles nothing.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .. import cache as _cache
+from ..sequence import Row
+from .base import BackendUnavailable, collate, outputs
+
+log = logging.getLogger(__name__)
+
+ALIGN = 16
+MIN_TOKENS = 2 * ALIGN  # tokens/16 >= 2: a size-1 axis would be specialised
+MIN_MARKERS = 2
+MAX_ROWS = 1 << 20
+PACKAGE = "model.pt2"
+AOT_BUILD_ENV = "LAYA_FLEET_AOT_BUILD"
+# (rows, tokens, markers): one batch graph and one single-row graph, pairwise-different sizes
+WARMUP_SHAPES = ((3, 80, 4), (1, 48, 5))
+WARMUP_MANY_ROWS = (512, 32, 2)
+
+
+def _ceil(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def padded_batch(rows: Sequence[Row], pad_id: int) -> tuple[dict[str, torch.Tensor], int]:
+    """Collated tensors with tokens padded to a multiple of 16 (>= 32) and markers to >= 2.
+
+    Returns (tensors, the rows' real maximum marker count). Padding tokens are masked out and padding
+    markers are masked (their logits are -1e4), so answers do not change.
+    """
+    b = collate(rows, pad_id)
+    L = b["input_ids"].shape[1]
+    Lp = max(MIN_TOKENS, _ceil(L, ALIGN))
+    if Lp != L:
+        b["input_ids"] = F.pad(b["input_ids"], (0, Lp - L), value=pad_id)
+        b["attention_mask"] = F.pad(b["attention_mask"], (0, Lp - L), value=0)
+    K = b["marker_pos"].shape[1]
+    if K < MIN_MARKERS:
+        b["marker_pos"] = F.pad(b["marker_pos"], (0, MIN_MARKERS - K), value=0)
+        b["marker_mask"] = F.pad(b["marker_mask"], (0, MIN_MARKERS - K), value=False)
+    return b, K
+
+
+def _synthetic_rows(n: int, tokens: int, markers: int, fill_id: int) -> list[Row]:
+    return [Row([fill_id] * tokens, list(range(1, markers + 1)), i % 3) for i in range(n)]
+
+
+def bf16_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy whose floating-point parameters are bf16; buffers (RoPE frequencies) stay as they are."""
+    m = copy.deepcopy(model)
+    for p in m.parameters():
+        if p.is_floating_point():
+            p.data = p.data.to(torch.bfloat16)
+    return m
+
+
+class _Padded:
+    """Shared glue: pad, run under a lock, slice markers back, convert outputs."""
+
+    name = "padded"
+    packed = False
+
+    def __init__(self, bundle: Any, device: torch.device):
+        self.device = device
+        self.pad_id = bundle.tokenizer.pad_token_id
+        self.fill_id = bundle.tokenizer.cls_token_id
+        self.max_tokens_per_row = bundle.max_len
+        self.t_max = max(2, _ceil(bundle.max_len, ALIGN) // ALIGN)
+        self.k_max = max(MIN_MARKERS, bundle.max_len)
+        self._lock = threading.Lock()
+        self.warmup_s = 0.0
+
+    def _run(self, b: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def forward(self, rows: Sequence[Row]) -> tuple[np.ndarray, np.ndarray]:
+        """Score rows (see `Backend.forward`)."""
+        b, k = padded_batch(rows, self.pad_id)
+        b = {n: t.to(self.device, non_blocking=True) for n, t in b.items()}
+        with self._lock:
+            logits, act = self._run(b)
+            return outputs(logits[:, :k], act)
+
+    def warmup(self, max_batch_tokens: int | None = None) -> float:
+        """Run the warm-up shapes (batch and single row); returns seconds spent."""
+        t = time.perf_counter()
+        for n, tokens, markers in WARMUP_SHAPES:
+            self.forward(_synthetic_rows(n, min(tokens, self.max_tokens_per_row), markers, self.fill_id))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.warmup_s = time.perf_counter() - t
+        return self.warmup_s
+
+
+# -- torch.compile ----------------------------------------------------------------------------------
+class CompileBackend(_Padded):
+    """torch.compile over the whole DecisionModel with dynamic rows, tokens (x16) and markers."""
+
+    name = "compile"
+
+    def __init__(self, model: torch.nn.Module, bundle: Any, device: torch.device, align: bool = True,
+                 mode: str | None = None, dtype: torch.dtype | str | None = None, fullgraph: bool = True):
+        super().__init__(bundle, device)
+        if isinstance(dtype, str):
+            dtype = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32,
+                     "float32": torch.float32}[dtype]
+        self.align = bool(align)
+        if device.type == "cuda" and dtype == torch.bfloat16:
+            model = bf16_copy(model)
+            self.autocast = None
+        elif device.type == "cuda" and dtype is None:
+            self.autocast = torch.bfloat16  # same numerics as the eager CUDA path
+        else:
+            self.autocast = None
+        self.model = model.to(device).eval()
+        self.mode = mode
+        self.fullgraph = fullgraph
+        self.strict = True
+        self._compiled = self._compile(fullgraph)
+
+    def _compile(self, fullgraph: bool):
+        fn = self._graph_aligned if self.align else self._graph_plain
+        return torch.compile(fn, dynamic=False, fullgraph=fullgraph, mode=self.mode)
+
+    def _graph_aligned(self, ids3, att3, mpos, mmask, qtype):
+        return self.model(ids3.flatten(1), att3.flatten(1), mpos, mmask, qtype)
+
+    def _graph_plain(self, ids, att, mpos, mmask, qtype):
+        return self.model(ids, att, mpos, mmask, qtype)
+
+    def _args(self, b: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """Fresh input views, marked: rows soft (>= 2), tokens/16 and markers declared while `strict`."""
+        ids, att = b["input_ids"], b["attention_mask"]
+        n = ids.shape[0]
+        if self.align:
+            ids, att = ids.view(n, -1, ALIGN), att.view(n, -1, ALIGN)
+            tok = (2, self.t_max)
+        else:
+            ids, att = ids.view(ids.shape), att.view(att.shape)
+            tok = (MIN_TOKENS, self.t_max * ALIGN)
+        args = (ids, att, *(b[k].view(b[k].shape) for k in ("marker_pos", "marker_mask", "qtype")))
+        if n > 1:  # a single row stays static: its own graph (torch specialises size 1 anyway)
+            for t in args:
+                # soft: inductor may bound rows (on CUDA it guarded rows <= 255, a grid limit, for
+                # mmBERT-base), and a declared range would then fail the compile
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+        for i, t in enumerate(args[:4]):
+            lo, hi = tok if i < 2 else (MIN_MARKERS, self.k_max)
+            if self.strict:  # a specialisation fails loudly, once, at warm-up
+                torch._dynamo.mark_dynamic(t, 1, min=lo, max=hi)
+            else:
+                torch._dynamo.maybe_mark_dynamic(t, 1)
+        return args
+
+    def _run(self, b: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        try:
+            return self._call(self._args(b))
+        except Exception as e:
+            if self.strict and "Constraints violated" in str(e):
+                log.warning("compile backend: inductor specialised a declared axis (%s); declaring tokens and "
+                            "markers softly, expect a recompile where it guards", str(e).splitlines()[0][:300])
+                self.strict = False
+                return self._call(self._args(b))
+            if not isinstance(e, torch._dynamo.exc.Unsupported) or not self.fullgraph:
+                raise
+            # another transformers version may break the graph somewhere; still compile, in pieces
+            log.warning("compile backend: no single graph (%s); compiling with graph breaks",
+                        str(e).splitlines()[0][:200])
+            self.fullgraph = False
+            self._compiled = self._compile(False)
+            return self._call(self._args(b))
+
+    def warmup(self, max_batch_tokens: int | None = None) -> float:
+        """Build the batch and single-row graphs (on CUDA also a many-rows batch, in case inductor bounded
+        rows for a grid limit); returns seconds spent."""
+        t = time.perf_counter()
+        super().warmup(max_batch_tokens)
+        if self.device.type == "cuda":
+            n, tokens, markers = WARMUP_MANY_ROWS
+            self.forward(_synthetic_rows(n, tokens, markers, self.fill_id))
+            torch.cuda.synchronize(self.device)
+        self.warmup_s = time.perf_counter() - t
+        return self.warmup_s
+
+    def _call(self, args):
+        with torch.fx.experimental._config.patch(use_duck_shape=False):
+            if self.autocast is not None:
+                with torch.autocast(self.device.type, dtype=self.autocast):
+                    return self._compiled(*args)
+            return self._compiled(*args)
+
+
+def make_compile_backend(model: torch.nn.Module, bundle: Any, device: torch.device, **options: Any) -> CompileBackend:
+    """The `compile` backend (options: align=True, mode=None, dtype=None|"bf16", fullgraph=True)."""
+    known = {"align", "mode", "dtype", "fullgraph"}
+    return CompileBackend(model, bundle, device, **{k: v for k, v in options.items() if k in known})
+
+
+# -- AOTInductor ------------------------------------------------------------------------------------
+def aot_variant(device: torch.device) -> str:
+    """The package's dtype variant: bf16 parameters on CUDA, fp32 on CPU."""
+    return "bf16" if torch.device(device).type == "cuda" else "fp32"
+
+
+def aot_key(checkpoint_hash: str, device: torch.device) -> _cache.ArtifactKey:
+    """The shared-cache key of a checkpoint's AOTI package for this device (arch, torch, CUDA, dtype)."""
+    return _cache.artifact_key("aoti", checkpoint_hash, device, variant=aot_variant(device))
+
+
+def export_model(model: torch.nn.Module, bundle: Any, device: torch.device):
+    """torch.export of the model for `device` with dynamic rows, tokens (16 * t) and markers; returns the
+    ExportedProgram (bf16 parameters on CUDA, no autocast)."""
+    from torch.export import Dim
+
+    device = torch.device(device)
+    m = (bf16_copy(model) if device.type == "cuda" else model).to(device).eval()
+    t_max = max(2, _ceil(bundle.max_len, ALIGN) // ALIGN)
+    rows = Dim("rows", min=1, max=MAX_ROWS)
+    t = Dim("t", min=2, max=t_max)
+    k = Dim("k", min=MIN_MARKERS, max=max(MIN_MARKERS, bundle.max_len))
+    tokens = ALIGN * t
+    ds = {"input_ids": {0: rows, 1: tokens}, "attention_mask": {0: rows, 1: tokens},
+          "marker_pos": {0: rows, 1: k}, "marker_mask": {0: rows, 1: k}, "qtype": {0: rows}}
+    n, L, K = WARMUP_SHAPES[0]
+    b, _ = padded_batch(_synthetic_rows(n, min(L, bundle.max_len), K, bundle.tokenizer.cls_token_id),
+                        bundle.tokenizer.pad_token_id)
+    args = tuple(b[x].to(device) for x in ("input_ids", "attention_mask", "marker_pos", "marker_mask", "qtype"))
+    with torch.no_grad():
+        return torch.export.export(m, args, dynamic_shapes=ds)
+
+
+def _ensure_configured(cache_dir: str | None) -> _cache.CacheSession:
+    cur = _cache.current()
+    if cur is not None and (cache_dir is None or cur.cache_dir == _cache.resolve_cache_dir(cache_dir)):
+        return cur
+    return _cache.configure(cache_dir)
+
+
+def local_package_path(key: _cache.ArtifactKey, cache_dir: str | None = None) -> str:
+    """Where this node keeps the package for `key`: `<local>/aoti/<key name>/model.pt2`."""
+    return os.path.join(_cache.local_dir("aoti", cache_dir), key.name, PACKAGE)
+
+
+def build_aot_package(checkpoint: str, cache_dir: str | None = None, device: str | torch.device = "cuda",
+                      model: torch.nn.Module | None = None, bundle: Any = None, force: bool = False) -> str:
+    """Export and package a checkpoint with AOTInductor and publish it to the shared cache.
+
+    Idempotent: a valid package already in the shared cache (or this node's) is reused unless `force`.
+    Returns the package path in the shared cache when it is there, else the node-local path.
+    """
+    from ..bundle import checkpoint_hash, load_model, open_bundle
+
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise BackendUnavailable("AOTI package for CUDA asked, but CUDA is not available (use --device cpu)")
+    session = _ensure_configured(cache_dir)
+    bundle = bundle or open_bundle(checkpoint)
+    key = aot_key(checkpoint_hash(bundle.path), dev)
+    shared = session.shared
+    local = local_package_path(key, session.cache_dir)
+    shared_pkg = os.path.join(shared.path(key), PACKAGE)
+    if not force:
+        if shared.state(key) == "valid":
+            return shared_pkg
+        if os.path.isfile(local):
+            status = shared.publish(key, os.path.dirname(local), files=[PACKAGE])
+            return shared_pkg if status in ("published", "replaced", "exists") else local
+    t0 = time.perf_counter()
+    model = model if model is not None else load_model(bundle)
+    ep = export_model(model, bundle, dev)
+    t1 = time.perf_counter()
+    os.makedirs(os.path.dirname(local), exist_ok=True)
+    tmp = "%s.%d.tmp.pt2" % (local, os.getpid())
+    try:
+        torch._inductor.aoti_compile_and_package(ep, package_path=tmp)
+        os.replace(tmp, local)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    log.info("AOTI package for %s on %s: export %.1fs, compile %.1fs -> %s", bundle.path, dev, t1 - t0,
+             time.perf_counter() - t1, local)
+    status = shared.publish(key, os.path.dirname(local), files=[PACKAGE])
+    return shared_pkg if status in ("published", "replaced", "exists") else local
+
+
+class AotBackend(_Padded):
+    """A loaded AOTInductor package; no compilation happens in this process."""
+
+    name = "aot"
+
+    def __init__(self, package: str, bundle: Any, device: torch.device):
+        super().__init__(bundle, device)
+        t = time.perf_counter()
+        kw = {"device_index": device.index if device.index is not None else torch.cuda.current_device()} \
+            if device.type == "cuda" else {}
+        self.package = package
+        self.runner = torch._inductor.aoti_load_package(package, **kw)
+        self.load_s = time.perf_counter() - t
+
+    def _run(self, b: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.runner(b["input_ids"], b["attention_mask"], b["marker_pos"], b["marker_mask"], b["qtype"])
+        return out[0], out[1]
+
+
+def make_aot_backend(model: torch.nn.Module, bundle: Any, device: torch.device, **options: Any) -> AotBackend:
+    """The `aot` backend: load this checkpoint's package (node-local, else seeded from the shared cache).
+
+    Options: `package` (an explicit .pt2 path), `build` (build on a miss; default $LAYA_FLEET_AOT_BUILD,
+    else False: raises BackendUnavailable naming the `laya-fleet aot` command to run).
+    """
+    from ..bundle import checkpoint_hash
+
+    device = torch.device(device)
+    if options.get("package"):
+        return AotBackend(options["package"], bundle, device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise BackendUnavailable("aot backend on CUDA needs a GPU")
+    session = _ensure_configured(None)
+    key = aot_key(checkpoint_hash(bundle.path), device)
+    local = local_package_path(key, session.cache_dir)
+    if not os.path.isfile(local):
+        res = session.shared.seed(key, os.path.dirname(local))
+        session.seeded["aoti"] = res
+        log.info("AOTI package %s: seed %s (%.1f MB, %.2fs)", key.name, res.state, res.bytes / 1e6, res.seconds)
+    if not os.path.isfile(local):
+        build = options.get("build")
+        if build is None:
+            build = os.environ.get(AOT_BUILD_ENV, "").lower() in ("1", "true", "yes")
+        if not build:
+            raise BackendUnavailable(
+                "no AOTInductor package %s for %s in %s; build it with `laya-fleet aot --checkpoint %s "
+                "--cache-dir %s --device %s` (or pass build=True)" % (key.name, bundle.path, session.cache_dir,
+                                                                     bundle.path, session.cache_dir, device.type))
+        build_aot_package(bundle.path, session.cache_dir, device, model=model, bundle=bundle, force=True)
+        session.published["aoti"] = "built"
+    return AotBackend(local, bundle, device)
+
+
+__all__ = ["CompileBackend", "AotBackend", "make_compile_backend", "make_aot_backend", "build_aot_package",
+           "export_model", "padded_batch", "aot_key", "bf16_copy", "local_package_path"]

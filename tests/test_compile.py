@@ -1,0 +1,235 @@
+"""The `compile` and `aot` backends on CPU with the tiny checkpoint, and the shared cache between processes.
+
+Two real processes build concurrently at module start (cold, empty caches): a compile replica that warms
+up and publishes its inductor cache, and `laya-fleet aot`. This process then plays the later replica:
+it loads from those shared caches into its own node-local dirs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+import model
+from model import cache
+from model.backends import BackendUnavailable
+from model.sequence import Row
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV_VARS = (cache.ENV, cache.LOCAL_ENV, "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "TILELANG_CACHE_DIR",
+            "TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE")
+
+COMPILE_CHILD = """
+import json, sys, time
+t0 = time.perf_counter()
+import torch
+import model
+from torch._dynamo.utils import counters
+e = model.load(sys.argv[1], device="cpu", backend="compile", cache_dir=sys.argv[2])
+w = e.warmup()
+print(json.dumps({"ready_s": time.perf_counter() - t0, "warmup_s": w, "inductor": dict(counters["inductor"]),
+                  "graphs": counters["stats"]["unique_graphs"], "cache": e.cache.report()}))
+"""
+
+
+class Builds:
+    """The two cold builds, started together; results are collected on first use."""
+
+    def __init__(self, ckpt: str, tmp: str):
+        self.ckpt, self.tmp = ckpt, tmp
+        self.compile_shared = os.path.join(tmp, "shared-compile")
+        self.aot_shared = os.path.join(tmp, "shared-aot")
+        # the same thread count as this process: inductor's CPU code (and so the cache key) depends on it
+        base = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS=str(torch.get_num_threads()))
+        for k in ENV_VARS:
+            base.pop(k, None)
+        self._compile = subprocess.Popen(
+            [sys.executable, "-c", COMPILE_CHILD, ckpt, self.compile_shared], text=True, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, env=dict(base, **{cache.LOCAL_ENV: os.path.join(tmp, "node-a")}))
+        self._aot = subprocess.Popen(
+            [sys.executable, "-m", "model.cli", "aot", "--checkpoint", ckpt, "--cache-dir", self.aot_shared,
+             "--device", "cpu"], text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            env=dict(base, **{cache.LOCAL_ENV: os.path.join(tmp, "node-b")}))
+        self._results: dict[str, str] = {}
+
+    def _wait(self, name: str, proc: subprocess.Popen) -> str:
+        if name not in self._results:
+            out, err = proc.communicate(timeout=900)
+            assert proc.returncode == 0, err[-4000:]
+            self._results[name] = out.strip().splitlines()[-1]
+        return self._results[name]
+
+    def compile(self) -> dict:
+        """The compile replica's JSON report."""
+        return json.loads(self._wait("compile", self._compile))
+
+    def aot(self) -> str:
+        """The package path `laya-fleet aot` printed."""
+        return self._wait("aot", self._aot)
+
+    def close(self) -> None:
+        for p in (self._compile, self._aot):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+@pytest.fixture(scope="module")
+def builds(tiny_checkpoint, tmp_path_factory):
+    b = Builds(tiny_checkpoint, str(tmp_path_factory.mktemp("builds")))
+    yield b
+    b.close()
+
+
+def _isolated_env(mp: pytest.MonkeyPatch, local: str) -> None:
+    for k in ENV_VARS:  # record every variable load() may set, so all are restored afterwards
+        mp.setenv(k, "x")
+        mp.delenv(k)
+    mp.setenv(cache.LOCAL_ENV, local)
+    mp.setattr(cache, "_current", None)
+
+
+def _counters() -> dict:
+    from torch._dynamo.utils import counters
+
+    return {"graphs": counters["stats"]["unique_graphs"], **{k: v for k, v in counters["inductor"].items()}}
+
+
+@pytest.fixture(scope="module")
+def compiled(builds, tiny_checkpoint, tmp_path_factory):
+    """(engine, counters before load, counters after warm-up) for a compile replica on the shared cache."""
+    builds.compile()  # the first replica has published
+    with pytest.MonkeyPatch.context() as mp:
+        _isolated_env(mp, str(tmp_path_factory.mktemp("node-c")))
+        before = _counters()
+        engine = model.load(tiny_checkpoint, device="cpu", backend="compile", cache_dir=builds.compile_shared)
+        engine.warmup()
+        yield engine, before, _counters()
+
+
+def _rows(rng: random.Random, n: int, length: int, k: int, vocab: int) -> list[Row]:
+    out = []
+    for _ in range(n):
+        L = max(4, length - rng.randrange(0, 3))
+        ids = [rng.randrange(5, vocab) for _ in range(L)]
+        markers = sorted(rng.sample(range(1, L), min(k, L - 1)))
+        out.append(Row(ids, markers, rng.randrange(3)))
+    return out
+
+
+def _shapes(max_len: int) -> list[tuple[int, int, int]]:
+    """(rows, tokens, markers) over every token bucket boundary up to max_len, single rows included."""
+    lengths = [4, 15, 16, 17, 31, 32, 33, 63, 100, 255, 256, 257, 400, max_len - 1, max_len]
+    return [((1, 2, 5)[i % 3], L, (1, 2, 3, 7)[i % 4]) for i, L in enumerate(lengths)]
+
+
+def _compare(backend_engine, eager, shapes, vocab, seed=0, atol=2e-4):
+    rng = random.Random(seed)
+    worst = 0.0
+    for n, L, k in shapes:
+        rows = _rows(rng, n, L, k, vocab)
+        got, want = backend_engine.score(rows), eager.score(rows)
+        assert got[0].shape == want[0].shape, (n, L, k)
+        err = float(np.abs(got[0] - want[0]).max())
+        worst = max(worst, err)
+        assert err < atol, (n, L, k, err)
+        assert np.abs(got[1] - want[1]).max() < 1e-5, (n, L, k)
+        assert (got[0].argmax(1) == want[0].argmax(1)).all(), (n, L, k)
+    return worst
+
+
+def test_first_replica_compiles_both_graphs_and_publishes(builds, tiny_checkpoint):
+    from model.bundle import checkpoint_hash
+
+    r = builds.compile()
+    assert r["cache"]["seeded"]["inductor"]["state"] == "miss"
+    assert r["cache"]["published"] == {"inductor": "published"}
+    assert r["graphs"] == 2  # batch graph + single-row graph, both built by warmup()
+    assert r["inductor"].get("fxgraph_cache_miss", 0) >= 2
+    key = cache.artifact_key("inductor", checkpoint_hash(tiny_checkpoint), "cpu")
+    assert r["cache"]["keys"]["inductor"] == key.name
+    sc = cache.SharedCache(builds.compile_shared)
+    assert sc.state(key) == "valid"
+    assert os.listdir(os.path.dirname(sc.path(key))) == [key.name]
+
+
+def test_later_replica_loads_compiled_graphs_from_the_shared_cache(compiled):
+    engine, before, after = compiled
+    assert engine.backend_name == "compile"
+    assert engine.cache.seeded["inductor"].state == "hit" and engine.cache.seeded["inductor"].files > 0
+    assert engine.cache.published == {"inductor": "seeded"}
+    assert after.get("fxgraph_cache_hit", 0) - before.get("fxgraph_cache_hit", 0) >= 2
+    assert after.get("fxgraph_cache_miss", 0) == before.get("fxgraph_cache_miss", 0)
+    assert after["graphs"] - before["graphs"] == 2
+
+
+def test_compile_matches_eager_and_never_recompiles_after_warmup(compiled, engine):
+    comp, _, warmed = compiled
+    vocab = len(engine.bundle.tokenizer)
+    shapes = _shapes(engine.bundle.max_len)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        worst = _compare(comp, engine, shapes, vocab)
+        rng = random.Random(5)  # mixed lengths in one batch
+        rows = [r for L in (7, 130, 512, 33, 64) for r in _rows(rng, 1, L, rng.randrange(1, 6), vocab)]
+        got, want = comp.score(rows), engine.score(rows)
+        assert np.abs(got[0] - want[0]).max() < 2e-4 and np.abs(got[1] - want[1]).max() < 1e-5
+    assert _counters()["graphs"] == warmed["graphs"]
+    assert worst > 0  # a different code path from eager, not eager itself
+
+
+def test_compile_backend_is_safe_under_concurrent_callers(compiled, engine):
+    comp = compiled[0]
+    vocab = len(engine.bundle.tokenizer)
+    rng = random.Random(11)
+    batches = [_rows(rng, n, L, k, vocab) for n, L, k in _shapes(engine.bundle.max_len)]
+    want = [comp.score(b) for b in batches]
+    results: dict[int, tuple] = {}
+    errors: list[BaseException] = []
+
+    def worker(w: int) -> None:
+        try:
+            for i in range(w, len(batches), 4):
+                results[i] = comp.score(batches[i])
+        except BaseException as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(4)]
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+    assert not errors, errors
+    for i, (lg, act) in enumerate(want):
+        np.testing.assert_allclose(results[i][0], lg, atol=1e-6)
+        np.testing.assert_allclose(results[i][1], act, atol=1e-7)
+
+
+def test_aot_package_round_trips_and_answers_like_eager(builds, tiny_checkpoint, engine, tmp_path):
+    path = builds.aot()
+    assert path.startswith(os.path.join(builds.aot_shared, "shared")) and path.endswith("model.pt2")
+    assert os.path.getsize(path) > 0
+    with pytest.MonkeyPatch.context() as mp:
+        _isolated_env(mp, str(tmp_path / "node-d"))
+        before = _counters()
+        aot = model.load(tiny_checkpoint, device="cpu", backend="aot", cache_dir=builds.aot_shared)
+        assert aot.backend_name == "aot"
+        assert aot.cache.seeded["aoti"].state == "hit"  # copied from the shared cache, not built
+        aot.warmup()
+        _compare(aot, engine, _shapes(engine.bundle.max_len), len(engine.bundle.tokenizer), seed=3)
+        assert _counters() == before  # nothing was compiled in this process
+
+
+def test_aot_without_a_package_names_the_build_command(tiny_checkpoint, tmp_path):
+    with pytest.MonkeyPatch.context() as mp:
+        _isolated_env(mp, str(tmp_path / "node"))
+        with pytest.raises(BackendUnavailable, match="laya-fleet aot --checkpoint"):
+            model.load(tiny_checkpoint, device="cpu", backend="aot", cache_dir=str(tmp_path / "empty"))
