@@ -92,9 +92,9 @@ class Scorer:
         import model
 
         t0 = time.perf_counter()
-        if cache_dir:
-            os.environ.setdefault("LAYA_FLEET_CACHE_DIR", cache_dir)
-        self.engine = model.load(checkpoint, device=device, backend=backend, **(backend_options or {}))
+        # an explicit cache_dir wins over $LAYA_FLEET_CACHE_DIR (model.load falls back to the variable)
+        self.engine = model.load(checkpoint, device=device, backend=backend, cache_dir=cache_dir,
+                                 **(backend_options or {}))
         self.packed = bool(getattr(self.engine.backend, "packed", False))
         self.max_batch_rows = max_batch_rows
         self.stats = ScorerStats()
