@@ -25,6 +25,7 @@ loaded with `torch._inductor.aoti_load_package`, which compiles nothing.
 
 from __future__ import annotations
 
+import abc
 import copy
 import logging
 import os
@@ -90,7 +91,7 @@ def bf16_copy(model: torch.nn.Module) -> torch.nn.Module:
     return m
 
 
-class _Padded:
+class _Padded(abc.ABC):
     """Shared glue: pad, run under a lock, slice markers back, convert outputs."""
 
     name = "padded"
@@ -106,8 +107,9 @@ class _Padded:
         self._lock = threading.Lock()
         self.warmup_s = 0.0
 
+    @abc.abstractmethod
     def _run(self, b: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        raise NotImplementedError
+        """The compiled forward on a padded batch: (logits, act_logits) on the device."""
 
     @torch.no_grad()
     def forward(self, rows: Sequence[Row]) -> tuple[np.ndarray, np.ndarray]:
