@@ -4,7 +4,8 @@
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-CHECKPOINT ?= checkpoints/tiny
+# configs/local.yaml (what `make serve` runs) names this path, so it is fixed here, not an override
+CHECKPOINT := checkpoints/tiny
 TORCH_CPU ?= torch==2.13.0
 PYTEST_ARGS ?=
 

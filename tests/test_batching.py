@@ -72,9 +72,12 @@ def test_scorer_matches_engine_and_survives_oom(tiny_checkpoint, engine):
     for g, w in zip(got, want):
         for qid in w["answers"]:
             ga, wa = g["answers"][qid], w["answers"][qid]
-            for key in ("choice", "probabilities"):
-                if key in wa and key == "probabilities":
-                    assert np.allclose(list(ga[key].values()), list(wa[key].values()), atol=2e-4)
+            assert ga.keys() == wa.keys(), qid
+            if "probabilities" in wa:
+                assert ga["probabilities"].keys() == wa["probabilities"].keys()
+                assert np.allclose(list(ga["probabilities"].values()), list(wa["probabilities"].values()), atol=2e-4)
+            if "noul" in wa:
+                assert abs(ga["noul"] - wa["noul"]) <= 2e-4
     assert scorer.stats.rows == len(rows)
     scorer.close()
 
