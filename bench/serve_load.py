@@ -6,7 +6,11 @@ server (`--url`), or it starts one itself with `serve run` of a config derived f
 pointed at `--checkpoint` (one scorer replica per GPU when CUDA is visible, else CPU). With
 `--compare-upstream` it then starts upstream's own server (`laya-serve` from laya 0.4.15, given the same
 checkpoint through LAYA_EXTRA_MODELS) and runs the same requests at the same levels; the servers run one
-after the other, never at once. Prints a table, writes JSON, draws a PNG next to it.
+after the other, never at once. With `--floor` it first runs the same topology doing no work
+(bench/serve_floor_app.py), which shows what Ray Serve itself costs per request on that machine. Levels of
+32+ clients spread the clients over `--client-procs` processes; each row also reports how many cores the
+Serve proxy, the busiest ingress replica (and all of them) and the scorer kept busy. Prints a table,
+writes JSON, draws a PNG next to it.
 
     python bench/serve_load.py --checkpoint DIR --backend auto --compare-upstream --out bench/results/serve_gpu.json
     python bench/serve_load.py --url http://127.0.0.1:8000 --levels 1,8,64 --duration 10
@@ -122,7 +126,7 @@ class FleetServer(Server):
 
     name = "laya-fleet"
 
-    def __init__(self, config: dict | str, log_path: str, ready_timeout: float = 900.0):
+    def __init__(self, config: dict | str, log_path: str, ready_timeout: float = 900.0, address: str | None = None):
         super().__init__(log_path)
         self._tmp = None
         if isinstance(config, str):  # a config file, run as is
@@ -134,7 +138,7 @@ class FleetServer(Server):
             with os.fdopen(fd, "w") as fh:
                 yaml.safe_dump(config, fh, sort_keys=False)
         self.url = "http://127.0.0.1:%d" % config["http_options"]["port"]
-        self._spawn([os.path.join(BIN, "serve"), "run", path])
+        self._spawn([os.path.join(BIN, "serve"), "run"] + (["--address", address] if address else []) + [path])
         try:
             self.ready_s = self.wait_ready("/ready", ready_timeout)
         except BaseException:
@@ -145,6 +149,58 @@ class FleetServer(Server):
         super().stop()
         if self._tmp and os.path.exists(self._tmp[1]):
             os.unlink(self._tmp[1])
+
+
+class LocalCluster:
+    """A Ray head plus `nodes - 1` CPU-only nodes on this host, so Serve runs `nodes` HTTP proxies.
+
+    Serve binds every proxy's port with SO_REUSEPORT, so proxies of several nodes on one machine share the
+    HTTP port and the kernel spreads connections over them: the way to get more than one proxy process's
+    worth of HTTP handling out of one big host (one proxy is one Python process).
+    """
+
+    def __init__(self, nodes: int, log_dir: str, cpus_per_node: int = 4):
+        env = dict(os.environ)
+        env.setdefault("RAY_AUTH_MODE", "disabled")  # a private single-host cluster
+        self.port = free_port()
+        self.address = "127.0.0.1:%d" % self.port
+        ray_bin = os.path.join(BIN, "ray")
+        self.procs: list[subprocess.Popen] = []
+        self._logs = []
+        head = [ray_bin, "start", "--head", "--block", "--port", str(self.port), "--include-dashboard", "false",
+                "--disable-usage-stats"]
+        for i in range(nodes):
+            cmd = head if i == 0 else [ray_bin, "start", "--block", "--address", self.address, "--num-gpus", "0",
+                                       "--num-cpus", str(cpus_per_node), "--disable-usage-stats"]
+            log = open(os.path.join(log_dir, "ray-node%d.log" % i), "w")
+            self._logs.append(log)
+            self.procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                               start_new_session=True))
+            if i == 0:
+                time.sleep(8.0)  # the head's GCS must be up before nodes join
+        time.sleep(5.0)
+        os.environ["RAY_AUTH_MODE"] = env["RAY_AUTH_MODE"]  # for `serve run` started after this
+
+    def stop(self) -> None:
+        """Stop the nodes (workers first), each with its process group."""
+        for proc in reversed(self.procs):
+            for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+                try:
+                    os.killpg(proc.pid, sig)
+                    proc.wait(wait)
+                    break
+                except ProcessLookupError:
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+        for log in self._logs:
+            log.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
 
 
 class UpstreamServer(Server):
@@ -172,7 +228,7 @@ class UpstreamServer(Server):
 
 
 def fleet_config(checkpoint: str, backend: str, device: str, port: int, replicas: int, ingress_replicas: int,
-                 max_batch_tokens: int | None, gpus: int) -> dict:
+                 max_batch_tokens: int | None, gpus: int, inflight: int | None = None) -> dict:
     """configs/local.yaml pointed at `checkpoint`, with one GPU per scorer replica when `gpus` > 0."""
     with open(os.path.join(REPO, "configs", "local.yaml"), encoding="utf-8") as fh:
         cfg = yaml.safe_load(fh)
@@ -183,6 +239,8 @@ def fleet_config(checkpoint: str, backend: str, device: str, port: int, replicas
     if gpus:
         args["scorer"] = {"num_gpus": 1, "num_cpus": 2}
         args["ingress"] = {"num_cpus": 1, "cpu_threads": 2}
+    if inflight:
+        args.setdefault("ingress", {})["max_inflight_calls"] = inflight
     for d in app["deployments"]:
         if d["name"] == "Scorer":
             d["num_replicas"] = replicas
@@ -193,24 +251,36 @@ def fleet_config(checkpoint: str, backend: str, device: str, port: int, replicas
     return cfg
 
 
+def floor_config(port: int, ingress_replicas: int) -> dict:
+    """The same topology and deployment options doing no work (bench/serve_floor_app.py)."""
+    with open(os.path.join(REPO, "configs", "local.yaml"), encoding="utf-8") as fh:
+        cfg = yaml.safe_load(fh)
+    cfg["http_options"]["port"] = port
+    app = cfg["applications"][0]
+    app["import_path"] = "bench.serve_floor_app:build_floor"
+    app.pop("args", None)
+    for d in app["deployments"]:
+        d.pop("user_config", None)
+        d["num_replicas"] = ingress_replicas if d["name"] == "Ingress" else 1
+    cfg.setdefault("logging_config", {})["log_level"] = "WARNING"
+    return cfg
+
+
 # -- load ---------------------------------------------------------------------------------------------
 
-async def run_level(url: str, payloads: list[dict], clients: int, duration: float, warmup: float,
-                    headers: dict | None = None, timeout: float = 120.0) -> dict:
-    """One closed-loop level: `clients` loops for `warmup` + `duration` s; stats of the measured part."""
+async def _clients(url: str, bodies: list[bytes], clients: int, t_measure: float, t_end: float,
+                   headers: dict | None, timeout: float) -> list[tuple[float, int, float]]:
+    """`clients` closed loops until `t_end`; (done time, status, latency s) of requests started after `t_measure`."""
     import aiohttp
 
     records: list[tuple[float, int, float]] = []
     counter = iter(range(10 ** 12))
-    bodies = [json.dumps(p).encode() for p in payloads]
     hdrs = dict(headers or {}, **{"Content-Type": "application/json"})
-    t_start = time.monotonic()
-    t_measure = t_start + warmup
-    t_end = t_measure + duration
 
-    async def client(session):
+    async def client(session, k):
+        i = k * 7919
         while time.monotonic() < t_end:
-            body = bodies[next(counter) % len(bodies)]
+            body = bodies[(next(counter) + i) % len(bodies)]
             t = time.monotonic()
             try:
                 async with session.post(url, data=body, headers=hdrs) as r:
@@ -224,9 +294,99 @@ async def run_level(url: str, payloads: list[dict], clients: int, duration: floa
 
     conn = aiohttp.TCPConnector(limit=clients, limit_per_host=clients)
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=timeout)) as session:
-        await asyncio.gather(*(client(session) for _ in range(clients)))
-    span = max(1e-9, max((r[0] for r in records), default=t_end) - t_measure)
+        await asyncio.gather(*(client(session, k) for k in range(clients)))
+    return records
+
+
+def _client_proc(job: tuple) -> list[tuple[float, int, float]]:
+    """One client process of a multi-process level: waits for the shared start time, then runs its loops."""
+    url, bodies, clients, t_start, warmup, duration, headers, timeout = job
+    time.sleep(max(0.0, t_start - time.monotonic()))
+    return asyncio.run(_clients(url, bodies, clients, t_start + warmup, t_start + warmup + duration, headers, timeout))
+
+
+async def run_level(url: str, payloads: list[dict], clients: int, duration: float, warmup: float,
+                    headers: dict | None = None, timeout: float = 120.0) -> dict:
+    """One closed-loop level in this process: `clients` loops for `warmup` + `duration` s."""
+    bodies = [json.dumps(p).encode() for p in payloads]
+    t_measure = time.monotonic() + warmup
+    records = await _clients(url, bodies, clients, t_measure, t_measure + duration, headers, timeout)
+    span = max(1e-9, max((r[0] for r in records), default=t_measure + duration) - t_measure)
     return summarize(records, span, clients)
+
+
+def load_level(url: str, payloads: list[dict], clients: int, duration: float, warmup: float,
+               headers: dict | None = None, procs: int = 1, timeout: float = 120.0) -> dict:
+    """One level, its clients spread over `procs` processes (one Python client tops out near 2k req/s)."""
+    procs = max(1, min(procs, clients))
+    if procs == 1:
+        return asyncio.run(run_level(url, payloads, clients, duration, warmup, headers, timeout))
+    import multiprocessing
+
+    bodies = [json.dumps(p).encode() for p in payloads]
+    t_start = time.monotonic() + 3.0  # every process is up and connected-ready by then
+    share = [clients // procs + (1 if i < clients % procs else 0) for i in range(procs)]
+    jobs = [(url, bodies, n, t_start, warmup, duration, headers, timeout) for n in share]
+    with multiprocessing.get_context("spawn").Pool(procs) as pool:
+        parts = pool.map(_client_proc, jobs)
+    records = [r for part in parts for r in part]
+    t_measure = t_start + warmup
+    span = max(1e-9, max((r[0] for r in records), default=t_measure + duration) - t_measure)
+    return summarize(records, span, clients)
+
+
+# -- where the CPU goes -------------------------------------------------------------------------------
+
+SERVE_PROCS = {"proxy": "ray::ProxyActor", "ingress": "ray::ServeReplica:laya:Ingress",
+               "scorer": "ray::ServeReplica:laya:Scorer"}
+
+
+def serve_pids() -> dict[str, list[int]]:
+    """PIDs of the Serve proxy, ingress replicas and scorer replicas on this machine (from /proc)."""
+    out: dict[str, list[int]] = {k: [] for k in SERVE_PROCS}
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open("/proc/%s/cmdline" % pid, "rb") as fh:
+                cmd = fh.read().split(b"\0")[0].decode("utf-8", "replace")
+        except OSError:
+            continue
+        for k, prefix in SERVE_PROCS.items():
+            if cmd.startswith(prefix):
+                out[k].append(int(pid))
+    return out
+
+
+def cpu_seconds(pids: dict[str, list[int]]) -> dict[int, float]:
+    """User + system CPU seconds so far of each pid."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for group in pids.values():
+        for pid in group:
+            try:
+                with open("/proc/%d/stat" % pid) as fh:
+                    fields = fh.read().rsplit(")", 1)[1].split()
+                out[pid] = (int(fields[11]) + int(fields[12])) / tick
+            except (OSError, IndexError, ValueError):
+                pass
+    return out
+
+
+def cpu_share(pids: dict[str, list[int]], before: dict[int, float], after: dict[int, float],
+              seconds: float) -> dict[str, float]:
+    """Cores busy per process kind over `seconds` (ingress: the busiest replica and the sum)."""
+    def busy(pid):
+        return (after.get(pid, 0.0) - before.get(pid, 0.0)) / max(seconds, 1e-9)
+
+    out = {}
+    for k, group in pids.items():
+        vals = [busy(p) for p in group]
+        if vals:
+            out[k] = round(max(vals), 2)
+            if len(vals) > 1:
+                out[k + "_sum"] = round(sum(vals), 2)
+    return out
 
 
 def summarize(records: list[tuple[float, int, float]], span_s: float, clients: int) -> dict:
@@ -275,12 +435,18 @@ def agreement(a: list[dict], b: list[dict]) -> dict:
 
 
 def run_server(server: Server, payloads: list[dict], levels: list[int], duration: float, warmup: float,
-               headers: dict | None) -> list[dict]:
-    """All levels against one server; prints each row as it completes."""
+               headers: dict | None, client_procs: int = 1, cpu: bool = False) -> list[dict]:
+    """All levels against one server; prints each row as it completes (with Serve processes' CPU when `cpu`)."""
     url = server.url + "/v1/systemone"
     rows = []
+    pids = serve_pids() if cpu else {}
     for n in levels:
-        row = asyncio.run(run_level(url, payloads, n, duration, warmup, headers))
+        procs = 1 if n < 32 else client_procs
+        t0, c0 = time.monotonic(), cpu_seconds(pids)
+        row = load_level(url, payloads, n, duration, warmup, headers, procs)
+        if pids:
+            row["cpu_cores"] = cpu_share(pids, c0, cpu_seconds(pids), time.monotonic() - t0)
+        row["client_procs"] = procs
         rows.append(row)
         print_row(server.name, row)
     return rows
@@ -289,8 +455,9 @@ def run_server(server: Server, payloads: list[dict], levels: list[int], duration
 def print_row(name: str, r: dict) -> None:
     """One table row on stdout."""
     err = ",".join("%s:%d" % kv for kv in sorted(r["errors"].items())) or "-"
-    print("%-20s %7d %8d %9.1f %9.1f %9.1f %9.1f  %s" % (name, r["clients"], r["requests"], r["rps"], r["p50_ms"],
-                                                          r["p90_ms"], r["p99_ms"], err), flush=True)
+    cpu = " ".join("%s=%.2f" % kv for kv in r.get("cpu_cores", {}).items())
+    print("%-20s %7d %8d %9.1f %9.1f %9.1f %9.1f  %s  %s" % (name, r["clients"], r["requests"], r["rps"], r["p50_ms"],
+                                                              r["p90_ms"], r["p99_ms"], err, cpu), flush=True)
 
 
 def plot(results: dict[str, list[dict]], path: str, title: str) -> None:
@@ -341,7 +508,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backend", default="auto")
     p.add_argument("--device", default="auto")
     p.add_argument("--replicas", type=int, default=1, help="scorer replicas (one GPU each when CUDA is visible)")
-    p.add_argument("--ingress-replicas", type=int, default=None, help="default: 1 below 8 cores, else 2")
+    p.add_argument("--ingress-replicas", type=int, default=None, help="default: 1 below 8 cores, else cores / 4")
+    p.add_argument("--ingress-inflight", type=int, default=None,
+                   help="scorer calls outstanding per ingress replica (default: the app's, 4)")
+    p.add_argument("--client-procs", type=int, default=None,
+                   help="client processes for levels of 32+ clients (default: 1 below 8 cores, else 4)")
+    p.add_argument("--proxies", default="1",
+                   help="HTTP proxies: > 1 starts a Ray cluster of that many nodes on this host (one proxy each, "
+                        "sharing the port); 1 = `serve run`'s own single-node Ray; a list (1,4) runs each")
+    p.add_argument("--floor", action="store_true",
+                   help="first run the same topology doing no work (bench/serve_floor_app.py): Ray Serve's own cost")
     p.add_argument("--max-batch-tokens", type=int, default=None, help="default: 8192 on CPU, measured on GPU")
     p.add_argument("--compare-upstream", action="store_true", help="also run upstream laya-serve (after ours)")
     p.add_argument("--upstream-only", action="store_true", help="run only upstream laya-serve")
@@ -362,37 +538,60 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     gpus = torch.cuda.device_count() if args.device != "cpu" else 0
-    ingress = args.ingress_replicas or (1 if (os.cpu_count() or 2) < 8 else 2)
+    cores = os.cpu_count() or 2
+    ingress = args.ingress_replicas or (1 if cores < 8 else cores // 4)
+    procs = args.client_procs or (1 if cores < 8 else 4)
     results: dict[str, list[dict]] = {}
     startup: dict[str, float] = {}
     answers: dict[str, list[dict]] = {}
     print("%-20s %7s %8s %9s %9s %9s %9s  %s" % ("server", "clients", "requests", "req/s", "p50 ms", "p90 ms",
                                                    "p99 ms", "errors"))
-    if not args.upstream_only:
-        if args.url:
-            srv = Server("")
-            srv.name, srv.url = "laya-fleet", args.url.rstrip("/")
-            answers[srv.name] = sample_answers(srv.url + "/v1/systemone", payloads[:16], headers)
-            results[srv.name] = run_server(srv, payloads, levels, args.duration, args.warmup, headers)
-        else:
-            cfg = fleet_config(args.checkpoint, args.backend, args.device, free_port(), args.replicas, ingress,
-                               args.max_batch_tokens, gpus)
-            with FleetServer(cfg, logs + ".fleet.log") as srv:
-                startup[srv.name] = round(srv.ready_s, 1)
-                answers[srv.name] = sample_answers(srv.url + "/v1/systemone", payloads[:16])
-                results[srv.name] = run_server(srv, payloads, levels, args.duration, args.warmup, None)
+    proxy_counts = [int(x) for x in str(args.proxies).split(",") if x.strip()]
+    for k in proxy_counts if not args.url else []:
+        suffix = "" if len(proxy_counts) == 1 else " (%d prox%s)" % (k, "y" if k == 1 else "ies")
+        cluster = LocalCluster(k, os.path.dirname(logs)) if k > 1 else None
+        address = cluster.address if cluster else None
+        try:
+            if args.floor:
+                cfg = floor_config(free_port(), ingress)
+                cfg["proxy_location"] = "EveryNode"
+                with FleetServer(cfg, logs + ".floor%d.log" % k, address=address) as srv:
+                    srv.name = "serve floor (no work)" + suffix
+                    results[srv.name] = run_server(srv, payloads, levels, args.duration, args.warmup, None, procs,
+                                                   cpu=True)
+            if not args.upstream_only:
+                cfg = fleet_config(args.checkpoint, args.backend, args.device, free_port(), args.replicas, ingress,
+                                   args.max_batch_tokens, gpus, args.ingress_inflight)
+                cfg["proxy_location"] = "EveryNode"
+                with FleetServer(cfg, logs + ".fleet%d.log" % k, address=address) as srv:
+                    srv.name = "laya-fleet" + suffix
+                    startup[srv.name] = round(srv.ready_s, 1)
+                    answers[srv.name] = sample_answers(srv.url + "/v1/systemone", payloads[:16])
+                    results[srv.name] = run_server(srv, payloads, levels, args.duration, args.warmup, None, procs,
+                                                   cpu=True)
+        finally:
+            if cluster:
+                cluster.stop()
+    if args.url and not args.upstream_only:
+        srv = Server("")
+        srv.name, srv.url = "laya-fleet", args.url.rstrip("/")
+        answers[srv.name] = sample_answers(srv.url + "/v1/systemone", payloads[:16], headers)
+        results[srv.name] = run_server(srv, payloads, levels, args.duration, args.warmup, headers, procs)
     if args.compare_upstream or args.upstream_only:
         with UpstreamServer(args.checkpoint, free_port(), args.device, logs + ".upstream.log") as srv:
             startup[srv.name] = round(srv.ready_s, 1)
             answers[srv.name] = sample_answers(srv.url + "/v1/systemone", payloads[:16])
-            results[srv.name] = run_server(srv, payloads, levels, args.duration, args.warmup, None)
+            results[srv.name] = run_server(srv, payloads, levels, args.duration, args.warmup, None, procs)
     out: dict[str, Any] = {"env": environment(args.checkpoint, args.backend),
                            "settings": {"levels": levels, "duration_s": args.duration, "warmup_s": args.warmup,
                                         "replicas": args.replicas, "ingress_replicas": ingress,
+                                        "ingress_inflight": args.ingress_inflight, "client_procs": procs,
+                                        "proxies": args.proxies,
                                         "max_batch_tokens": args.max_batch_tokens, "url": args.url},
                            "startup_s": startup, "results": results}
     names = list(answers)
-    if len(names) == 2:
+    if len(names) >= 2:  # ours (the first) against upstream (the last)
+        names = [names[0], names[-1]]
         out["agreement"] = agreement(answers[names[0]], answers[names[1]])
         print("agreement %s vs %s: %s" % (names[0], names[1], out["agreement"]))
     with open(args.out, "w", encoding="utf-8") as fh:

@@ -39,6 +39,9 @@ class IngressOptions(BaseModel):
 
     num_cpus: float = Field(0.5, ge=0)
     cpu_threads: int = Field(2, ge=1, description="threads for tokenizing / decoding large requests")
+    max_inflight_calls: int = Field(4, ge=1, description="scorer calls outstanding per ingress replica; requests "
+                                                         "arriving while all are busy share the next call")
+    max_call_tokens: int = Field(65536, ge=1, description="tokens per shared scorer call (one request may exceed)")
 
 
 class AppArgs(BaseModel):
@@ -88,7 +91,8 @@ def build_app(args: AppArgs) -> Application:
         batching=args.batching.model_dump())
     ingress = Ingress.options(ray_actor_options={"num_cpus": args.ingress.num_cpus}).bind(
         scorer, checkpoint, limits=args.limits.model_dump(), api_key_env=args.api_key_env, docs=args.docs,
-        cpu_threads=args.ingress.cpu_threads)
+        cpu_threads=args.ingress.cpu_threads, max_inflight_calls=args.ingress.max_inflight_calls,
+        max_call_tokens=args.ingress.max_call_tokens)
     log.info("built laya-fleet app: checkpoint %s, backend %s, scorer %s, ingress %s", checkpoint, args.backend,
              actor, args.ingress.model_dump())
     return ingress

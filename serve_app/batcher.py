@@ -59,7 +59,7 @@ class TokenBatcher:
     """Collects concurrent requests' rows into batches under a token budget and scores them."""
 
     def __init__(self, run: Callable[[list[Row]], Awaitable[Result]], budget: Callable[[], int],
-                 max_wait_s: float = 0.002, max_rows: int | None = None,
+                 max_wait_s: float = 0.0, max_rows: int | None = None,
                  on_batch: Callable[[BatchRecord], None] | None = None):
         self._run = run
         self._budget = budget

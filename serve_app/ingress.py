@@ -13,7 +13,9 @@ import json
 import logging
 import os
 import re
+import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -27,10 +29,13 @@ from model.decode import empty_result
 from model.questions import serialize_state
 
 from . import metrics
+from .coalesce import CallCoalescer
 
 log = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1
+PREPARED_CACHE_SIZE = 256           # question sets kept prepared (validated, heads tokenized) per replica
+PREPARED_CACHE_MAX_KEY = 64 * 1024  # larger question sets are prepared per request, not cached
 ROUTES = ("/v1/systemone", "/v1/systemone/batch")
 
 
@@ -185,7 +190,8 @@ class Ingress:
     """FastAPI ingress: validates and tokenizes on CPU, scores through the scorer handle, decodes."""
 
     def __init__(self, scorer, checkpoint: str, limits: dict | None = None, api_key_env: str | None = None,
-                 docs: bool = True, cpu_threads: int = 2):
+                 docs: bool = True, cpu_threads: int = 2, max_inflight_calls: int = 4,
+                 max_call_tokens: int = 65536):
         from .codec import load_codec
 
         t0 = time.perf_counter()
@@ -205,6 +211,10 @@ class Ingress:
         self.codec = load_codec(checkpoint)
         self.model_name = empty_result()["model"]
         self._pool = ThreadPoolExecutor(max(1, int(cpu_threads)), thread_name_prefix="laya-ingress")
+        self._calls = CallCoalescer(self._score_many, max_inflight=max_inflight_calls,
+                                    max_call_tokens=max_call_tokens)
+        self._prepared: OrderedDict[tuple, Any] = OrderedDict()
+        self._prepared_lock = threading.Lock()
         self._last_score_ok = 0.0
         self._m = {n: metrics.make(n) for n in ("laya_fleet_requests", "laya_fleet_request_latency_ms",
                                                  "laya_fleet_ingress_warmup_seconds")}
@@ -262,13 +272,23 @@ class Ingress:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     async def _score(self, rows: list) -> tuple:
-        """The scorer's (logits, act) for `rows`; retries when the replica died, maps overload to 503."""
+        """The scorer's (logits, act) for one request's rows, sharing a scorer call with concurrent requests."""
+        try:
+            out = await self._calls.submit(rows)
+        except HTTPError as e:  # one instance per request: it may be raised in many handlers
+            raise HTTPError(e.status, e.detail, e.headers) from None
+        if isinstance(out, dict):  # this request failed in its batch (the scorer logged why); others did not
+            raise HTTPError(500, "inference failed")
+        return out
+
+    async def _score_many(self, groups: list) -> list:
+        """One scorer call for several requests' rows; retries when the replica died, maps overload to 503."""
         from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
         from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, RequestCancelledError
 
         attempts = self.limits.scorer_retries + 1
         for attempt in range(attempts):
-            resp = self.scorer.score.remote(rows)
+            resp = self.scorer.score_many.remote(groups)
             try:
                 out = await asyncio.wait_for(resp, self.limits.scorer_timeout_s)
                 self._last_score_ok = time.monotonic()
@@ -292,10 +312,31 @@ class Ingress:
                 raise HTTPError(500, "inference failed") from None
         raise HTTPError(503, "scorer unavailable, try again later", {"Retry-After": str(RETRY_AFTER_S)})
 
+    def _prepare(self, questions, budget):
+        """`codec.prepare`, remembered per question set and budget (clients repeat their question sets)."""
+        try:
+            key = (json.dumps(questions, ensure_ascii=False, separators=(",", ":")),
+                   budget.get("max_len"), budget.get("head_max_len"))
+        except (TypeError, ValueError):
+            key = None
+        if key is None or len(key[0]) > PREPARED_CACHE_MAX_KEY:
+            return self.codec.prepare(questions, **budget)
+        with self._prepared_lock:
+            hit = self._prepared.get(key)
+            if hit is not None:
+                self._prepared.move_to_end(key)
+                return hit
+        prepared = self.codec.prepare(questions, **budget)  # ValueError (invalid question) is not cached
+        with self._prepared_lock:
+            self._prepared[key] = prepared
+            while len(self._prepared) > PREPARED_CACHE_SIZE:
+                self._prepared.popitem(last=False)
+        return prepared
+
     # -- the work (CPU, off the event loop for large requests) --------------------------------
     def _encode_one(self, state, questions, budget):
         try:
-            prepared = self.codec.prepare(questions, **budget)
+            prepared = self._prepare(questions, budget)
             if not prepared:
                 return None, None
             return prepared, self.codec.encode(state, prepared)
@@ -304,7 +345,7 @@ class Ingress:
 
     def _encode_many(self, states, questions, budget):
         try:
-            prepared = self.codec.prepare(questions, **budget)
+            prepared = self._prepare(questions, budget)
             if not prepared:
                 return None, None
             return prepared, self.codec.encode_many(states, prepared)

@@ -7,6 +7,7 @@ The constructor loads the checkpoint and warms up before Serve routes any traffi
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import logging
 import os
@@ -38,8 +39,9 @@ class BatchingPolicy(BaseModel):
                     "None = the scorer's default (8192 on CPU, measured at warm-up on GPU)")
     max_batch_rows: int | None = Field(default=None, ge=1, description="row cap per batch; None = no cap")
     batch_wait_timeout_s: float = Field(
-        default=0.002, ge=0.0, le=1.0,
-        description="how long the oldest queued request may wait for others to join its batch")
+        default=0.0, ge=0.0, le=1.0,
+        description="how long the oldest queued request may wait for others to join its batch (0: a request "
+                    "that finds the replica idle runs at once; under load batches fill during the forward)")
 
 
 def _import(path: str):
@@ -120,12 +122,33 @@ class ScorerDeployment:
         try:
             return await self.batcher.submit(rows)
         except Exception as e:
-            self._counts["errors"] += 1
-            self._m["laya_fleet_scorer_errors"].inc()
-            if _is_fatal_device_error(e):
-                self._broken = type(e).__name__
-            log.error("scoring failed for a request of %d rows: %s", len(rows), type(e).__name__)
+            self._failed(e, len(rows))
             raise
+
+    async def score_many(self, requests: Sequence[Sequence[Row]]) -> list:
+        """One result per request: (logits, P(action 0)), or {"failed": error type} for a request that failed.
+
+        Each request is its own item in the token batcher (so a poison request fails alone and the
+        batching counters count requests); the ingress sends concurrent requests together this way.
+        """
+        self._m["laya_fleet_queue_depth"].set(self.batcher.queued + len(requests))
+        outs = await asyncio.gather(*(self.batcher.submit(r) for r in requests), return_exceptions=True)
+        results: list = []
+        for rows, out in zip(requests, outs):
+            if isinstance(out, asyncio.CancelledError):
+                raise out
+            if isinstance(out, BaseException):
+                self._failed(out, len(rows))
+                out = {"failed": type(out).__name__}
+            results.append(out)
+        return results
+
+    def _failed(self, e: BaseException, n_rows: int) -> None:
+        self._counts["errors"] += 1
+        self._m["laya_fleet_scorer_errors"].inc()
+        if _is_fatal_device_error(e):
+            self._broken = type(e).__name__
+        log.error("scoring failed for a request of %d rows: %s", n_rows, type(e).__name__)
 
     def _on_batch(self, rec: BatchRecord) -> None:
         self._counts["requests"] += rec.requests

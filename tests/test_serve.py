@@ -41,7 +41,7 @@ from .serve_helpers import (  # noqa: E402
 pytest_plugins = ["tests.serve_helpers"]
 
 QUESTIONS = json.load(open(os.path.join(os.path.dirname(__file__), "..", "configs", "example_questions.json")))
-DEFAULT_POLICY = {"max_batch_tokens": 8192, "max_batch_rows": None, "batch_wait_timeout_s": 0.002}
+DEFAULT_POLICY = {"max_batch_tokens": 8192, "max_batch_rows": None, "batch_wait_timeout_s": 0.0}
 
 
 def _state(rng: random.Random, prefix: str = "") -> str:

@@ -1,0 +1,129 @@
+"""The ingress's call coalescer (no Ray): idle requests go alone, busy-time arrivals share one call."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from serve_app.coalesce import CallCoalescer
+
+
+class Scorer:
+    """A real async callee standing in for the handle call: records each call's groups, answers per request."""
+
+    def __init__(self, delay: float = 0.05, fail_on: str | None = None):
+        self.delay, self.fail_on = delay, fail_on
+        self.calls: list[list[str]] = []
+
+    async def send(self, groups):
+        names = [g[0][0] for g in groups]  # each group: one request's rows; a row starts with its name
+        self.calls.append(names)
+        await asyncio.sleep(self.delay)
+        if self.fail_on in names:
+            raise RuntimeError("call failed")
+        return ["answer:" + n for n in names]
+
+
+def _row(name: str, tokens: int = 10) -> list:
+    return [name] + ["t"] * (tokens - 1)  # a request of one row of `tokens` tokens, named by its first token
+
+
+def test_an_idle_request_is_sent_at_once_and_alone():
+    s = Scorer(delay=0.0)
+
+    async def go():
+        c = CallCoalescer(s.send, max_inflight=2)
+        loop = asyncio.get_running_loop()
+        t = loop.time()
+        out = await c.submit([_row("a")])
+        return out, loop.time() - t, c
+
+    out, took, c = asyncio.run(go())
+    assert out == "answer:a" and s.calls == [["a"]] and took < 0.02
+    assert (c.calls, c.requests, c.inflight, c.waiting) == (1, 1, 0, 0)
+
+
+def test_requests_arriving_while_slots_are_busy_leave_together_in_order():
+    s = Scorer(delay=0.05)
+
+    async def go():
+        c = CallCoalescer(s.send, max_inflight=1)
+        first = asyncio.ensure_future(c.submit([_row("r0")]))
+        await asyncio.sleep(0.01)  # r0's call is out; the next five wait for the slot
+        rest = [asyncio.ensure_future(c.submit([_row("r%d" % i)])) for i in range(1, 6)]
+        return await asyncio.gather(first, *rest)
+
+    outs = asyncio.run(go())
+    assert outs == ["answer:r%d" % i for i in range(6)]
+    assert s.calls == [["r0"], ["r1", "r2", "r3", "r4", "r5"]]
+
+
+def test_a_shared_call_is_cut_at_the_token_cap_but_a_big_request_still_goes():
+    s = Scorer(delay=0.02)
+
+    async def go():
+        c = CallCoalescer(s.send, max_inflight=1, max_call_tokens=25)
+        first = asyncio.ensure_future(c.submit([_row("r0")]))
+        await asyncio.sleep(0.005)
+        sizes = {"r1": 10, "r2": 10, "r3": 10, "big": 60, "r4": 5}
+        rest = [asyncio.ensure_future(c.submit([_row(n, k)])) for n, k in sizes.items()]
+        return await asyncio.gather(first, *rest)
+
+    outs = asyncio.run(go())
+    assert outs == ["answer:" + n for n in ("r0", "r1", "r2", "r3", "big", "r4")]
+    assert s.calls == [["r0"], ["r1", "r2"], ["r3"], ["big"], ["r4"]]
+
+
+def test_a_failed_call_fails_only_its_own_requests():
+    s = Scorer(delay=0.03, fail_on="bad")
+
+    async def go():
+        c = CallCoalescer(s.send, max_inflight=1)
+        first = asyncio.ensure_future(c.submit([_row("bad")]))
+        await asyncio.sleep(0.005)
+        later = [asyncio.ensure_future(c.submit([_row(n)])) for n in ("x", "y")]
+        return await asyncio.gather(first, *later, return_exceptions=True)
+
+    first, x, y = asyncio.run(go())
+    assert isinstance(first, RuntimeError) and (x, y) == ("answer:x", "answer:y")
+    assert s.calls == [["bad"], ["x", "y"]]
+
+
+def test_a_cancelled_waiter_is_dropped_before_its_call():
+    s = Scorer(delay=0.03)
+
+    async def go():
+        c = CallCoalescer(s.send, max_inflight=1)
+        first = asyncio.ensure_future(c.submit([_row("r0")]))
+        await asyncio.sleep(0.005)
+        gone = asyncio.ensure_future(c.submit([_row("gone")]))
+        kept = asyncio.ensure_future(c.submit([_row("kept")]))
+        await asyncio.sleep(0)
+        gone.cancel()
+        return await asyncio.gather(first, kept)
+
+    assert asyncio.run(go()) == ["answer:r0", "answer:kept"]
+    assert s.calls == [["r0"], ["kept"]]
+
+
+def test_a_short_result_list_is_an_error_not_a_misattributed_answer():
+    async def short(groups):
+        await asyncio.sleep(0.02)
+        return ["answer"]  # one result whatever the call carried
+
+    async def go():
+        c = CallCoalescer(short, max_inflight=1)
+        first = asyncio.ensure_future(c.submit([_row("r0")]))
+        await asyncio.sleep(0.005)
+        pair = [asyncio.ensure_future(c.submit([_row(n)])) for n in ("a", "b")]
+        return await asyncio.gather(first, *pair, return_exceptions=True)
+
+    first, a, b = asyncio.run(go())
+    assert first == "answer"
+    assert all(isinstance(x, RuntimeError) and "1 results for 2 requests" in str(x) for x in (a, b))
+
+
+def test_invalid_settings_are_refused():
+    with pytest.raises(ValueError):
+        CallCoalescer(Scorer().send, max_inflight=0)
