@@ -27,6 +27,15 @@ log = logging.getLogger(__name__)
 
 DEFAULT_CPU_BUDGET = 8192
 MIN_BUDGET = 64
+BUDGET_CANDIDATES = (4096, 8192, 16384, 32768, 65536, 131072)
+
+
+def pick_budget(measured: list[tuple[int, float]], fallback: int, within: float = 0.05) -> int:
+    """The smallest budget whose tokens/s is within `within` of the best of `measured` [(budget, tokens/s)]."""
+    if not measured:
+        return fallback
+    best = max(t for _, t in measured)
+    return min(b for b, t in measured if t >= (1.0 - within) * best)
 
 
 def is_oom(exc: BaseException) -> bool:
@@ -77,10 +86,11 @@ class ScorerStats:
     oom_retries: int = 0
     warmup_s: float = 0.0
     budget_history: list[int] = field(default_factory=list)
+    budget_probe: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         """A JSON-friendly copy."""
-        return dict(self.__dict__, budget_history=list(self.budget_history))
+        return dict(self.__dict__, budget_history=list(self.budget_history), budget_probe=dict(self.budget_probe))
 
 
 class Scorer:
@@ -137,24 +147,30 @@ class Scorer:
         return time.perf_counter() - t
 
     def _choose_budget(self) -> int:
-        """The largest budget that fits in memory and still gains >5% throughput over half of it."""
+        """The smallest budget within 5% of the best throughput measured over every budget that fits.
+
+        Every candidate is measured (a noisy step must not stop the search early) until one runs out of
+        memory or peaks above 80% of the device; the smallest budget close to the best keeps batches, and
+        so queueing latency, short when a bigger one would not pay.
+        """
         import torch
 
         L = self.engine.bundle.max_len
         pad = self.engine.builder.pad_id
-        best, best_tps = MIN_BUDGET * 8, 0.0
         total = torch.cuda.get_device_properties(self.engine.device).total_memory
-        for budget in (4096, 8192, 16384, 32768, 65536, 131072):
+        measured: list[tuple[int, float]] = []
+        for budget in BUDGET_CANDIDATES:
             rows = [Row([pad] * L, [1, 2, 3], 0) for _ in range(max(1, budget // L))]
             try:
                 torch.cuda.reset_peak_memory_stats()
                 self.engine.score(rows)  # compile / allocate
                 torch.cuda.synchronize()
-                t = time.perf_counter()
-                for _ in range(3):
+                n, t = 0, time.perf_counter()
+                while n < 3 or time.perf_counter() - t < 0.2:
                     self.engine.score(rows)
+                    n += 1
                 torch.cuda.synchronize()
-                tps = 3 * len(rows) * L / (time.perf_counter() - t)
+                tps = n * len(rows) * L / (time.perf_counter() - t)
                 peak = torch.cuda.max_memory_allocated()
             except Exception as e:
                 if not is_oom(e):
@@ -162,10 +178,11 @@ class Scorer:
                 self._release_memory()
                 break
             log.info("budget %d: %.0f tokens/s, peak %.1f GiB", budget, tps, peak / 2**30)
-            if peak > 0.8 * total or tps < 1.05 * best_tps:
+            measured.append((budget, tps))
+            if peak > 0.8 * total:
                 break
-            best, best_tps = budget, tps
-        return best
+        self.stats.budget_probe = {str(b): round(t) for b, t in measured}
+        return pick_budget(measured, MIN_BUDGET * 8)
 
     # -- budget -------------------------------------------------------------------------------
     def set_budget(self, tokens: int) -> None:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from serve_app.batching import batch_cost, plan
-from serve_app.scorer import Scorer
+from serve_app.scorer import Scorer, pick_budget
 
 from .cases import cases
 
@@ -89,3 +89,12 @@ def test_single_row_that_never_fits_raises_instead_of_looping(tiny_checkpoint, e
     with pytest.raises(torch.cuda.OutOfMemoryError):
         scorer.score_rows(engine.encode("a state", p).rows)
     scorer.close()
+
+
+def test_budget_choice_compares_against_the_best_of_all_measured_budgets():
+    # a noisy step (8192 barely above 4096) must not stop the search: 65536 is best, 32768 within 5% of it
+    measured = [(4096, 300e3), (8192, 305e3), (16384, 400e3), (32768, 470e3), (65536, 487e3), (131072, 480e3)]
+    assert pick_budget(measured, 512) == 32768
+    assert pick_budget(measured, 512, within=0.0) == 65536
+    assert pick_budget([(4096, 1.0), (8192, 0.5)], 512) == 4096  # bigger is slower: keep the small one
+    assert pick_budget([], 512) == 512  # the first candidate did not fit
