@@ -109,6 +109,11 @@ def _peak(engine, rows: int, tokens: int) -> dict:
     return {"rows": rows, "tokens": tokens, "peak_mib": peak, "first_call_s": first, "call_s": time.perf_counter() - t}
 
 
+def _progress(out: dict, what: str) -> None:
+    """A timestamped stage line on stderr (a timed-out child's log then shows where it was)."""
+    print("[+%.1fs] %s" % (time.time() - out["t_child_start"], what), file=sys.stderr, flush=True)
+
+
 def child(spec: dict) -> dict:
     """Run one row in this (fresh) process; returns its measurements."""
     t_import = time.time()
@@ -128,17 +133,21 @@ def child(spec: dict) -> dict:
     except BackendUnavailable as e:
         return {"skipped": str(e)}
     out["t_loaded"] = time.time()
+    _progress(out, "loaded")
     if spec.get("warmup", True):
         engine.warmup(spec.get("budget"))
     if engine.device.type == "cuda":
         torch.cuda.synchronize()
     out["t_ready"] = time.time()
+    _progress(out, "ready")
     out["backend"] = engine.backend_name
     out["cache"] = engine.cache.report() if engine.cache is not None else None
     out["graphs_at_ready"] = counters["stats"]["unique_graphs"]
     out["inductor"] = {k: v for k, v in counters["inductor"].items() if "cache" in k}
+    print("\nPARTIAL " + json.dumps(out), flush=True)  # what a timed-out child still reports
     if spec.get("peak"):
         out["peak"] = _peak(engine, *spec["peak"])
+        _progress(out, "peak measured")
         if spec.get("peak_eager"):
             del engine
             eager = model.load(spec["checkpoint"], device=spec["device"], backend="eager")
@@ -148,7 +157,9 @@ def child(spec: dict) -> dict:
         import numpy as np
 
         ref = model.load(spec["checkpoint"], device=spec["device"], backend="eager", dtype=torch.float32)
-        rows = _random_rows(spec["accuracy"], engine.bundle.max_len, len(engine.bundle.tokenizer), seed=1)
+        _progress(out, "fp32 reference loaded")
+        # lengths up to 1024: what serving sees; an 8192-token eager fp32 reference would dominate the row
+        rows = _random_rows(spec["accuracy"], min(1024, engine.bundle.max_len), len(engine.bundle.tokenizer), seed=1)
         batches = _batches(rows, spec.get("budget") or 8192)
         lg, ap = _score_all(engine, rows, batches)
         rlg, rap = _score_all(ref, rows, batches)
@@ -194,9 +205,16 @@ def finish_row(h: dict) -> dict:
         stdout, stderr = p.communicate(timeout=max(1.0, h["deadline"] - time.time()))
     except subprocess.TimeoutExpired:
         p.kill()
-        p.communicate()
+        stdout, stderr = p.communicate()
         row["skipped"] = "timed out (deadline)"
-        return row
+        row["log_tail"] = "--- stderr tail ---\n%s\n--- stdout tail ---\n%s" % (stderr[-4000:], stdout[-1000:])
+        partial = [x[x.index("PARTIAL {"):] for x in stdout.splitlines() if "PARTIAL {" in x]
+        if not partial:
+            return row
+        del row["skipped"]
+        row["incomplete"] = "timed out after ready: accuracy / peak unfinished"
+        stdout = "RESULT " + partial[-1][8:]
+        p.returncode = 0
     # a library may have left a partial line on stdout: find the marker anywhere in a line
     lines = [x[x.index("RESULT {"):] for x in stdout.splitlines() if "RESULT {" in x]
     if p.returncode != 0 or not lines:
@@ -298,6 +316,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out-dir", default=os.path.join(ROOT, "bench", "results"))
     ap.add_argument("--tag", default=None, help="result file suffix (default: cpu / gpu name)")
     ap.add_argument("--deadline-s", type=float, default=3000.0, help="skip rows that would start after this")
+    ap.add_argument("--row-timeout-s", type=float, default=1e9, help="stop one row's child after this long")
     args = ap.parse_args(argv)
     if args.child:
         import faulthandler
@@ -340,6 +359,9 @@ def main(argv=None) -> int:
     def d(*parts):
         return os.path.join(work, *parts)
 
+    def row_deadline():
+        return min(deadline, time.time() + args.row_timeout_s)
+
     def add(row):
         result["rows"].append(row)
         print(_fmt(row), flush=True)
@@ -367,14 +389,14 @@ def main(argv=None) -> int:
             continue
         shared = d(item, "shared")
         opts = {"options": {"build": True}} if item == "aot" else {}
-        cold = run_row(args, "%s cold" % item, item, "cold", shared, d(item, "node1"), deadline, **acc, **opts)
+        cold = run_row(args, "%s cold" % item, item, "cold", shared, d(item, "node1"), row_deadline(), **acc, **opts)
         if background is not None and item == "aot":
             cold["note"] = "built while the no-align peak child compiled alongside"
         add(cold)
         if "ready_s" not in cold:
             continue
         extra = {"peak": [32, peak_tokens], "peak_eager": True} if (item == "compile" and "peak" in order) else {}
-        add(run_row(args, "%s warm" % item, item, "warm", shared, d(item, "node2"), deadline, **extra))
+        add(run_row(args, "%s warm" % item, item, "warm", shared, d(item, "node2"), row_deadline(), **extra))
     if background is not None:
         add(finish_row(background))
     result["total_s"] = time.time() - t_start

@@ -1,0 +1,17 @@
+# Source on the GPU machine from the repo root (`. bench/gpu_env.sh`): unpacks the bundles a run carried
+# (.gpu/ray-site.tar.xz, .gpu/tilelang-site.tar.xz, .whl/laya-*.whl) into /tmp/site unless a previous run
+# on the same warm machine already did, extracts .gpu/fast-tl-cache.tar.xz into /tmp/lfc, writes the
+# `serve` / `ray` / `laya-serve` entry points the bundles lack, and exports PYTHONPATH and the cache dir.
+mkdir -p /tmp/site /tmp/lfc
+if [ -f .gpu/ray-site.tar.xz ] && [ ! -d /tmp/site/ray ]; then tar -xJf .gpu/ray-site.tar.xz -C /tmp/site; fi
+if [ -f .gpu/tilelang-site.tar.xz ] && [ ! -d /tmp/site/tilelang ]; then tar -xJf .gpu/tilelang-site.tar.xz -C /tmp/site; fi
+if [ -f .gpu/fast-tl-cache.tar.xz ]; then tar -xJf .gpu/fast-tl-cache.tar.xz -C /tmp/lfc; fi
+for w in .whl/laya-*.whl; do
+  if [ -f "$w" ] && [ ! -d /tmp/site/laya ]; then python3 -m zipfile -e "$w" /tmp/site; fi
+done
+export PYTHONPATH=/tmp/site:$PWD CUDA_HOME=/usr/local/cuda PYTHONUNBUFFERED=1 LAYA_FLEET_LOCAL_CACHE_DIR=/tmp/lfc
+_P=$(python3 -c "import sys; print(sys.executable)")
+_shim() { printf '#!%s\nimport sys\nfrom %s import %s\nsys.exit(%s())\n' "$_P" "$2" "$3" "$3" > "$(dirname "$_P")/$1" \
+  && chmod +x "$(dirname "$_P")/$1"; }
+_shim serve ray.serve.scripts cli; _shim ray ray.scripts.scripts main; _shim laya-serve laya.serve main
+echo "site: $(ls /tmp/site | tr '\n' ' ' | head -c 300)"
