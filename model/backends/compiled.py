@@ -53,6 +53,11 @@ AOT_BUILD_ENV = "LAYA_FLEET_AOT_BUILD"
 # (rows, tokens, markers): one batch graph and one single-row graph, pairwise-different sizes
 WARMUP_SHAPES = ((3, 80, 4), (1, 48, 5))
 WARMUP_MANY_ROWS = (512, 32, 2)
+# Inductor's pad_mm pass asks "is this matmul compute bound?" of the symbolic rows x tokens size and guards
+# on the answer (seen on CUDA: `2 <= rows <= 255`), so a dynamic graph gets split by row count: a third
+# graph and another ~40 s of cold compile per split on an H200. The GEMM shapes here are already
+# multiples of 16, so padding buys nothing.
+INDUCTOR_CONFIG = {"shape_padding": False}
 
 
 def _ceil(x: int, m: int) -> int:
@@ -222,7 +227,9 @@ class CompileBackend(_Padded):
         return self.warmup_s
 
     def _call(self, args):
-        with torch.fx.experimental._config.patch(use_duck_shape=False):
+        from torch._inductor import config as inductor_config
+
+        with torch.fx.experimental._config.patch(use_duck_shape=False), inductor_config.patch(INDUCTOR_CONFIG):
             if self.autocast is not None:
                 with torch.autocast(self.device.type, dtype=self.autocast):
                     return self._compiled(*args)
@@ -311,7 +318,7 @@ def build_aot_package(checkpoint: str, cache_dir: str | None = None, device: str
     os.makedirs(os.path.dirname(local), exist_ok=True)
     tmp = "%s.%d.tmp.pt2" % (local, os.getpid())
     try:
-        torch._inductor.aoti_compile_and_package(ep, package_path=tmp)
+        torch._inductor.aoti_compile_and_package(ep, package_path=tmp, inductor_configs=dict(INDUCTOR_CONFIG))
         os.replace(tmp, local)
     finally:
         if os.path.exists(tmp):
