@@ -146,14 +146,15 @@ def _compare(backend_engine, eager, shapes, vocab, seed=0, atol=2e-4):
     return worst
 
 
-def test_first_replica_compiles_both_graphs_and_publishes(builds, tiny_checkpoint):
+def test_first_replica_compiles_its_one_graph_and_publishes(builds, tiny_checkpoint):
     from model.bundle import checkpoint_hash
 
     r = builds.compile()
     assert r["cache"]["seeded"]["inductor"]["state"] == "miss"
     assert r["cache"]["published"] == {"inductor": "published"}
-    assert r["graphs"] == 2  # batch graph + single-row graph, both built by warmup()
-    assert r["inductor"].get("fxgraph_cache_miss", 0) >= 2
+    # one graph built by warmup() serves every batch: single rows are padded into it (see _shapes below)
+    assert r["graphs"] == 1
+    assert r["inductor"].get("fxgraph_cache_miss", 0) >= 1
     key = cache.artifact_key("inductor", checkpoint_hash(tiny_checkpoint), "cpu")
     assert r["cache"]["keys"]["inductor"] == key.name
     sc = cache.SharedCache(builds.compile_shared)
@@ -166,9 +167,9 @@ def test_later_replica_loads_compiled_graphs_from_the_shared_cache(compiled):
     assert engine.backend_name == "compile"
     assert engine.cache.seeded["inductor"].state == "hit" and engine.cache.seeded["inductor"].files > 0
     assert engine.cache.published == {"inductor": "seeded"}
-    assert after.get("fxgraph_cache_hit", 0) - before.get("fxgraph_cache_hit", 0) >= 2
+    assert after.get("fxgraph_cache_hit", 0) - before.get("fxgraph_cache_hit", 0) >= 1
     assert after.get("fxgraph_cache_miss", 0) == before.get("fxgraph_cache_miss", 0)
-    assert after["graphs"] - before["graphs"] == 2
+    assert after["graphs"] - before["graphs"] == 1
 
 
 def test_compile_matches_eager_and_never_recompiles_after_warmup(compiled, engine):

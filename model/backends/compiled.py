@@ -7,10 +7,11 @@ passes tokens as a [rows, tokens/16, 16] view that the graph flattens back, so i
 symbolically that L is a multiple of 16; that is what lets it hand ModernBERT's [rows, 1, L, L]
 attention bias to the SDPA kernel as a broadcast view instead of materialising rows x heads x L x L
 (its stride-alignment rule needs L % 8 == 0 to be provable). `aot` declares the same with
-`torch.export.Dim` (tokens = 16 * t). Padding tokens/16 and markers away from 1 avoids torch's 0/1
-specialisation on those axes; a single row is left static, so `compile` builds two graphs, "batch"
-(rows >= 2) and "single row", both in `warmup()`. Duck sizing is switched off while a compiled call
-runs, so equal sizes at trace time never tie axes.
+`torch.export.Dim` (tokens = 16 * t). Padding tokens/16, markers and (for `compile`) rows away from 1
+avoids torch's 0/1 specialisation on those axes: a one-row batch is padded with a copy of its row and
+runs in the batch graph, so `compile` builds a single graph in `warmup()` that serves every batch
+(`single_row_graph=True` keeps a separate static single-row graph, two graphs to build). Duck sizing is
+switched off while a compiled call runs, so equal sizes at trace time never tie axes.
 
 Precision. CPU runs fp32 (answers within ~1e-5 of eager). On CUDA, `compile` keeps fp32 weights under
 bf16 autocast like the eager backend (fp32 residual stream), and `aot` packages a bf16 copy of the
@@ -64,12 +65,16 @@ def _ceil(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
-def padded_batch(rows: Sequence[Row], pad_id: int) -> tuple[dict[str, torch.Tensor], int]:
-    """Collated tensors with tokens padded to a multiple of 16 (>= 32) and markers to >= 2.
+def padded_batch(rows: Sequence[Row], pad_id: int, min_rows: int = 1) -> tuple[dict[str, torch.Tensor], int]:
+    """Collated tensors with tokens padded to a multiple of 16 (>= 32), markers to >= 2, rows to >= `min_rows`.
 
     Returns (tensors, the rows' real maximum marker count). Padding tokens are masked out and padding
-    markers are masked (their logits are -1e4), so answers do not change.
+    markers are masked (their logits are -1e4); padding rows repeat the last row and are dropped from the
+    outputs, so answers do not change.
     """
+    rows = list(rows)
+    if len(rows) < min_rows:
+        rows += [rows[-1]] * (min_rows - len(rows))
     b = collate(rows, pad_id)
     L = b["input_ids"].shape[1]
     Lp = max(MIN_TOKENS, _ceil(L, ALIGN))
@@ -111,6 +116,7 @@ class _Padded(abc.ABC):
         self.k_max = max(MIN_MARKERS, bundle.max_len)
         self._lock = threading.Lock()
         self.warmup_s = 0.0
+        self.min_rows = 1
 
     @abc.abstractmethod
     def _run(self, b: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,11 +125,12 @@ class _Padded(abc.ABC):
     @torch.no_grad()
     def forward(self, rows: Sequence[Row]) -> tuple[np.ndarray, np.ndarray]:
         """Score rows (see `Backend.forward`)."""
-        b, k = padded_batch(rows, self.pad_id)
-        b = {n: t.to(self.device, non_blocking=True) for n, t in b.items()}
+        n = len(rows)
+        b, k = padded_batch(rows, self.pad_id, self.min_rows)
+        b = {name: t.to(self.device, non_blocking=True) for name, t in b.items()}
         with self._lock:
             logits, act = self._run(b)
-            return outputs(logits[:, :k], act)
+            return outputs(logits[:n, :k], act[:n])
 
     def warmup(self, max_batch_tokens: int | None = None) -> float:
         """Run the warm-up shapes (batch and single row); returns seconds spent."""
@@ -143,8 +150,13 @@ class CompileBackend(_Padded):
     name = "compile"
 
     def __init__(self, model: torch.nn.Module, bundle: Any, device: torch.device, align: bool = True,
-                 mode: str | None = None, dtype: torch.dtype | str | None = None, fullgraph: bool = True):
+                 mode: str | None = None, dtype: torch.dtype | str | None = None, fullgraph: bool = True,
+                 single_row_graph: bool = False):
         super().__init__(bundle, device)
+        # A batch of one row runs in the batch graph, padded to two rows (a size-1 axis would be specialised
+        # into a graph of its own): one graph to compile cold and to re-trace warm instead of two. A second
+        # row costs nothing measurable at that size; single_row_graph=True keeps the separate graph.
+        self.min_rows = 1 if single_row_graph else 2
         if isinstance(dtype, str):
             dtype = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32,
                      "float32": torch.float32}[dtype]
@@ -183,7 +195,7 @@ class CompileBackend(_Padded):
             ids, att = ids.view(ids.shape), att.view(att.shape)
             tok = (MIN_TOKENS, self.t_max * ALIGN)
         args = (ids, att, *(b[k].view(b[k].shape) for k in ("marker_pos", "marker_mask", "qtype")))
-        if n > 1:  # a single row stays static: its own graph (torch specialises size 1 anyway)
+        if n > 1:  # (single_row_graph=True) a single row stays static: its own graph
             for t in args:
                 # soft: inductor may bound rows (on CUDA it guarded rows <= 255, a grid limit, for
                 # mmBERT-base), and a declared range would then fail the compile
@@ -237,8 +249,9 @@ class CompileBackend(_Padded):
 
 
 def make_compile_backend(model: torch.nn.Module, bundle: Any, device: torch.device, **options: Any) -> CompileBackend:
-    """The `compile` backend (options: align=True, mode=None, dtype=None|"bf16", fullgraph=True)."""
-    known = {"align", "mode", "dtype", "fullgraph"}
+    """The `compile` backend (options: align=True, mode=None, dtype=None|"bf16", fullgraph=True,
+    single_row_graph=False)."""
+    known = {"align", "mode", "dtype", "fullgraph", "single_row_graph"}
     return CompileBackend(model, bundle, device, **{k: v for k, v in options.items() if k in known})
 
 
