@@ -53,3 +53,19 @@ class NullIngress:
 def build_floor(args: dict | None = None):
     """The floor application (ingress replicas are set in the config's deployments block)."""
     return NullIngress.bind(NullScorer.bind())
+
+
+class SkipForward:
+    """A scorer backend wrapper that returns zeros instead of running the model (app arg
+    `backend_wrapper: bench.serve_floor_app:SkipForward`): the whole laya-fleet request path minus the
+    forward, to split a request's time into serving overhead and model time. Diagnostic only."""
+
+    def __init__(self, backend, engine):
+        self.inner = backend
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def forward(self, rows):
+        k = max(len(r.markers) for r in rows)
+        return np.zeros((len(rows), k), np.float32), np.full(len(rows), 0.5, np.float32)

@@ -138,7 +138,8 @@ class FleetServer(Server):
             with os.fdopen(fd, "w") as fh:
                 yaml.safe_dump(config, fh, sort_keys=False)
         self.url = "http://127.0.0.1:%d" % config["http_options"]["port"]
-        self._spawn([os.path.join(BIN, "serve"), "run"] + (["--address", address] if address else []) + [path])
+        # "local": always a fresh single-node Ray, never a cluster some earlier `ray start` left recorded
+        self._spawn([os.path.join(BIN, "serve"), "run", "--address", address or "local", path])
         try:
             self.ready_s = self.wait_ready("/ready", ready_timeout)
         except BaseException:
@@ -195,6 +196,16 @@ class LocalCluster:
                     continue
         for log in self._logs:
             log.close()
+        # `ray start` records the head's address for later ray.init() calls without one: a stopped cluster
+        # must not be found there (a plain `serve run` would wait for it forever)
+        recorded = "/tmp/ray/ray_current_cluster"
+        try:
+            with open(recorded) as fh:
+                stale = fh.read().strip().endswith(":%d" % self.port)
+            if stale:
+                os.unlink(recorded)
+        except OSError:
+            pass
 
     def __enter__(self):
         return self
@@ -516,6 +527,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--proxies", default="1",
                    help="HTTP proxies: > 1 starts a Ray cluster of that many nodes on this host (one proxy each, "
                         "sharing the port); 1 = `serve run`'s own single-node Ray; a list (1,4) runs each")
+    p.add_argument("--skip-forward", action="store_true",
+                   help="also run laya-fleet with the forward replaced by zeros (bench/serve_floor_app.SkipForward): "
+                        "our request path without the model")
     p.add_argument("--floor", action="store_true",
                    help="first run the same topology doing no work (bench/serve_floor_app.py): Ray Serve's own cost")
     p.add_argument("--max-batch-tokens", type=int, default=None, help="default: 8192 on CPU, measured on GPU")
@@ -557,6 +571,15 @@ def main(argv: list[str] | None = None) -> int:
                 cfg["proxy_location"] = "EveryNode"
                 with FleetServer(cfg, logs + ".floor%d.log" % k, address=address) as srv:
                     srv.name = "serve floor (no work)" + suffix
+                    results[srv.name] = run_server(srv, payloads, levels, args.duration, args.warmup, None, procs,
+                                                   cpu=True)
+            if args.skip_forward:
+                cfg = fleet_config(args.checkpoint, args.backend, args.device, free_port(), args.replicas, ingress,
+                                   args.max_batch_tokens, gpus, args.ingress_inflight)
+                cfg["proxy_location"] = "EveryNode"
+                cfg["applications"][0]["args"]["backend_wrapper"] = "bench.serve_floor_app:SkipForward"
+                with FleetServer(cfg, logs + ".skip%d.log" % k, address=address) as srv:
+                    srv.name = "laya-fleet, forward skipped" + suffix
                     results[srv.name] = run_server(srv, payloads, levels, args.duration, args.warmup, None, procs,
                                                    cpu=True)
             if not args.upstream_only:

@@ -219,6 +219,8 @@ def finish_row(h: dict) -> dict:
     lines = [x[x.index("RESULT {"):] for x in stdout.splitlines() if "RESULT {" in x]
     if p.returncode != 0 or not lines:
         tb = stderr.rfind("Traceback (most recent call last)")
+        if tb < 0:  # a native crash: faulthandler's thread stacks come first, its long module list last
+            tb = stderr.rfind("Fatal Python error")
         row["error"] = "exit %s; %s\n--- stderr tail ---\n%s\n--- stdout tail ---\n%s" % (
             p.returncode, stderr[tb:tb + 6000] if tb >= 0 else "no Python traceback (killed or crashed?)",
             stderr[-3000:], stdout[-1500:])
