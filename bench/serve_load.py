@@ -445,18 +445,48 @@ def agreement(a: list[dict], b: list[dict]) -> dict:
     return {"answers": total, "argmax_agree": same, "max_abs_dp": round(max_dp, 6)}
 
 
+def scorer_stats(base: str, headers: dict | None) -> dict | None:
+    """laya-fleet's `GET /stats` (one scorer replica's counters), or None where the server has none."""
+    import urllib.request
+
+    try:
+        req = urllib.request.Request(base + "/stats", headers=headers or {})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return json.loads(r.read())
+    except (OSError, ValueError):
+        return None
+
+
+def batching_delta(before: dict | None, after: dict | None, seconds: float) -> dict | None:
+    """What the scorer did between two /stats snapshots: batches, requests per batch, forward time."""
+    if not before or not after:
+        return None
+    batches = after["batches"] - before["batches"]
+    reqs = after["requests"] - before["requests"]
+    fwd = after.get("forward_s", 0.0) - before.get("forward_s", 0.0)
+    return {"batches": batches, "requests": reqs, "requests_per_batch": round(reqs / max(1, batches), 2),
+            "forward_ms_per_batch": round(1000.0 * fwd / max(1, batches), 3),
+            "forward_busy": round(fwd / max(seconds, 1e-9), 3)}
+
+
 def run_server(server: Server, payloads: list[dict], levels: list[int], duration: float, warmup: float,
                headers: dict | None, client_procs: int = 1, cpu: bool = False) -> list[dict]:
-    """All levels against one server; prints each row as it completes (with Serve processes' CPU when `cpu`)."""
+    """All levels against one server; prints each row as it completes (with Serve processes' CPU when `cpu`,
+    and the scorer's batches and forward time where the server has `/stats`)."""
     url = server.url + "/v1/systemone"
     rows = []
     pids = serve_pids() if cpu else {}
     for n in levels:
         procs = 1 if n < 32 else client_procs
+        s0 = scorer_stats(server.url, headers)
         t0, c0 = time.monotonic(), cpu_seconds(pids)
         row = load_level(url, payloads, n, duration, warmup, headers, procs)
+        took = time.monotonic() - t0
         if pids:
-            row["cpu_cores"] = cpu_share(pids, c0, cpu_seconds(pids), time.monotonic() - t0)
+            row["cpu_cores"] = cpu_share(pids, c0, cpu_seconds(pids), took)
+        scorer = batching_delta(s0, scorer_stats(server.url, headers), took)
+        if scorer:
+            row["scorer"] = scorer
         row["client_procs"] = procs
         rows.append(row)
         print_row(server.name, row)
@@ -467,6 +497,10 @@ def print_row(name: str, r: dict) -> None:
     """One table row on stdout."""
     err = ",".join("%s:%d" % kv for kv in sorted(r["errors"].items())) or "-"
     cpu = " ".join("%s=%.2f" % kv for kv in r.get("cpu_cores", {}).items())
+    sc = r.get("scorer")
+    if sc:
+        cpu += "  batch: %.1f req, forward %.2f ms, busy %.0f%%" % (
+            sc["requests_per_batch"], sc["forward_ms_per_batch"], 100 * sc["forward_busy"])
     print("%-20s %7d %8d %9.1f %9.1f %9.1f %9.1f  %s  %s" % (name, r["clients"], r["requests"], r["rps"], r["p50_ms"],
                                                               r["p90_ms"], r["p99_ms"], err, cpu), flush=True)
 

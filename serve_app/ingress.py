@@ -454,6 +454,23 @@ class Ingress:
         """Always `{"status": "ok"}` while the ingress runs."""
         return {"status": "ok"}
 
+    @app.get("/stats", summary="Batching counters of one scorer replica and this ingress replica's coalescing")
+    async def stats(self, request: Request):
+        """The counters of whichever scorer replica answers (requests, batches, requests-per-batch histogram,
+        waits, forward seconds) and, under `ingress`, this ingress replica's scorer calls and the requests they
+        carried. Same bearer rule as the scoring routes."""
+        if not self._authorized(request):
+            raise HTTPError(401, "invalid or missing bearer token", {"WWW-Authenticate": "Bearer"})
+        resp = self.scorer.stats.remote()
+        try:
+            out = await asyncio.wait_for(resp, 5.0)
+        except Exception:  # noqa: BLE001 - no replica yet, saturated or timed out
+            resp.cancel()
+            raise HTTPError(503, "scorer unavailable, try again later", {"Retry-After": str(RETRY_AFTER_S)}) from None
+        out["ingress"] = {"scorer_calls": self._calls.calls, "requests": self._calls.requests,
+                          "waiting": self._calls.waiting, "inflight": self._calls.inflight}
+        return out
+
     @app.get("/ready", summary="Readiness: 200 once a warm scorer replica answers, else 503")
     async def ready(self):
         """200 `{"ready": true, ...}` when a scorer replica is warm; 503 `{"ready": false}` otherwise."""

@@ -87,6 +87,7 @@ class ScorerDeployment:
         self._batch_sizes: _Counter[int] = _Counter()
         self._counts = {"requests": 0, "rows": 0, "batches": 0, "fallback_batches": 0, "errors": 0}
         self._wait_s_sum = 0.0
+        self._forward_s_sum = 0.0
         self._oom_seen = self.scorer.stats.oom_retries
         self._m = {n: metrics.make(n) for n in (
             "laya_fleet_queue_wait_ms", "laya_fleet_batch_requests", "laya_fleet_batch_rows",
@@ -157,6 +158,7 @@ class ScorerDeployment:
         self._counts["fallback_batches"] += int(rec.fallback)
         self._batch_sizes[rec.requests] += 1
         self._wait_s_sum += sum(rec.waits_s)
+        self._forward_s_sum += rec.forward_s
         m = self._m
         for w in rec.waits_s:
             m["laya_fleet_queue_wait_ms"].observe(w * 1000.0)
@@ -185,6 +187,7 @@ class ScorerDeployment:
         return dict(self._counts, batch_sizes={str(k): v for k, v in sorted(self._batch_sizes.items())},
                     max_batch_requests=max(self._batch_sizes, default=0),
                     mean_queue_wait_ms=round(1000.0 * self._wait_s_sum / n, 3),
+                    forward_s=round(self._forward_s_sum, 6),
                     budget=self.scorer.budget, oom_retries=self.scorer.stats.oom_retries)
 
     def info(self) -> dict[str, Any]:

@@ -276,11 +276,26 @@ def test_health_ready_and_openapi(app):
     r = httpx.get(app.url + "/ready")
     assert r.status_code == 200 and r.json()["ready"] is True
     spec = httpx.get(app.url + "/openapi.json").json()
-    assert {"/v1/systemone", "/v1/systemone/batch", "/health", "/ready"} <= set(spec["paths"])
+    assert {"/v1/systemone", "/v1/systemone/batch", "/health", "/ready", "/stats"} <= set(spec["paths"])
     assert httpx.get(app.url + "/docs").status_code == 200
     r = httpx.get(app.url + "/v1/systemone")
     assert r.status_code == 405
     no_leak(r.text)
+
+
+def test_stats_needs_the_bearer_and_counts_requests_and_scorer_calls(app):
+    assert httpx.get(app.url + "/stats").status_code == 401
+    before = httpx.get(app.url + "/stats", headers=AUTH).json()
+    rng = random.Random(21)
+    rs = asyncio.run(_many(app.url + "/v1/systemone", [{"state": _state(rng), "questions": QUESTIONS}
+                                                       for _ in range(12)]))
+    assert [r.status_code for r in rs] == [200] * 12
+    after = httpx.get(app.url + "/stats", headers=AUTH).json()
+    assert after["requests"] - before["requests"] == 12 and after["forward_s"] > before["forward_s"]
+    ing = after["ingress"]  # one ingress replica in this app: it carried all 12, in at most 12 calls
+    assert ing["requests"] - before["ingress"]["requests"] == 12
+    assert 1 <= ing["scorer_calls"] - before["ingress"]["scorer_calls"] <= 12
+    assert ing["waiting"] == 0 and ing["inflight"] == 0
 
 
 # -- live reconfiguration, faults ----------------------------------------------------------------
