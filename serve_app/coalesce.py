@@ -93,12 +93,14 @@ class CallCoalescer:
             for w, out in zip(group, outs):
                 if not w.future.done():
                     w.future.set_result(out)
-        except BaseException as e:  # noqa: BLE001 - every request of the call gets the outcome
+        except asyncio.CancelledError:  # this replica is shutting down: its waiters are cancelled too
+            for w in group:
+                w.future.cancel()
+            raise
+        except Exception as e:  # noqa: BLE001 - every request of the call gets the outcome
             for w in group:
                 if not w.future.done():
                     w.future.set_exception(e)
-            if isinstance(e, asyncio.CancelledError):
-                raise
         finally:
             self.inflight -= 1
             self._pump()
