@@ -239,7 +239,8 @@ class UpstreamServer(Server):
 
 
 def fleet_config(checkpoint: str, backend: str, device: str, port: int, replicas: int, ingress_replicas: int,
-                 max_batch_tokens: int | None, gpus: int, inflight: int | None = None) -> dict:
+                 max_batch_tokens: int | None, gpus: int, inflight: int | None = None,
+                 gil_switch_interval_s: float | None = None) -> dict:
     """configs/local.yaml pointed at `checkpoint`, with one GPU per scorer replica when `gpus` > 0."""
     with open(os.path.join(REPO, "configs", "local.yaml"), encoding="utf-8") as fh:
         cfg = yaml.safe_load(fh)
@@ -252,6 +253,8 @@ def fleet_config(checkpoint: str, backend: str, device: str, port: int, replicas
         args["ingress"] = {"num_cpus": 1, "cpu_threads": 2}
     if inflight:
         args.setdefault("ingress", {})["max_inflight_calls"] = inflight
+    if gil_switch_interval_s:
+        args.setdefault("scorer", {})["gil_switch_interval_s"] = gil_switch_interval_s
     for d in app["deployments"]:
         if d["name"] == "Scorer":
             d["num_replicas"] = replicas
@@ -561,6 +564,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--proxies", default="1",
                    help="HTTP proxies: > 1 starts a Ray cluster of that many nodes on this host (one proxy each, "
                         "sharing the port); 1 = `serve run`'s own single-node Ray; a list (1,4) runs each")
+    p.add_argument("--gil-switch-interval", type=float, default=None,
+                   help="scorer replicas' sys.setswitchinterval (default: Python's 0.005 s)")
     p.add_argument("--skip-forward", action="store_true",
                    help="also run laya-fleet with the forward replaced by zeros (bench/serve_floor_app.SkipForward): "
                         "our request path without the model")
@@ -609,7 +614,8 @@ def main(argv: list[str] | None = None) -> int:
                                                    cpu=True)
             if args.skip_forward:
                 cfg = fleet_config(args.checkpoint, args.backend, args.device, free_port(), args.replicas, ingress,
-                                   args.max_batch_tokens, gpus, args.ingress_inflight)
+                                   args.max_batch_tokens, gpus, args.ingress_inflight,
+                                   args.gil_switch_interval)
                 cfg["proxy_location"] = "EveryNode"
                 cfg["applications"][0]["args"]["backend_wrapper"] = "bench.serve_floor_app:SkipForward"
                 with FleetServer(cfg, logs + ".skip%d.log" % k, address=address) as srv:
@@ -618,7 +624,8 @@ def main(argv: list[str] | None = None) -> int:
                                                    cpu=True)
             if not args.upstream_only:
                 cfg = fleet_config(args.checkpoint, args.backend, args.device, free_port(), args.replicas, ingress,
-                                   args.max_batch_tokens, gpus, args.ingress_inflight)
+                                   args.max_batch_tokens, gpus, args.ingress_inflight,
+                                   args.gil_switch_interval)
                 cfg["proxy_location"] = "EveryNode"
                 with FleetServer(cfg, logs + ".fleet%d.log" % k, address=address) as srv:
                     srv.name = "laya-fleet" + suffix
@@ -643,7 +650,7 @@ def main(argv: list[str] | None = None) -> int:
                            "settings": {"levels": levels, "duration_s": args.duration, "warmup_s": args.warmup,
                                         "replicas": args.replicas, "ingress_replicas": ingress,
                                         "ingress_inflight": args.ingress_inflight, "client_procs": procs,
-                                        "proxies": args.proxies,
+                                        "proxies": args.proxies, "gil_switch_interval_s": args.gil_switch_interval,
                                         "max_batch_tokens": args.max_batch_tokens, "url": args.url},
                            "startup_s": startup, "results": results}
     names = list(answers)

@@ -30,6 +30,10 @@ class ScorerOptions(BaseModel):
     memory: int | None = Field(None, ge=0, description="bytes of memory to reserve per replica")
     accelerator_type: str | None = Field(None, description="e.g. H100; None = any")
     torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads (CPU forwards)")
+    gil_switch_interval_s: float | None = Field(
+        None, gt=0, le=0.1,
+        description="sys.setswitchinterval for the replica; None = Python's 0.005. The forward thread must win "
+                    "the GIL back from the replica's event-loop threads after every device wait")
 
 
 class IngressOptions(BaseModel):
@@ -88,6 +92,7 @@ def build_app(args: AppArgs) -> Application:
     scorer = ScorerDeployment.options(ray_actor_options=actor, user_config=args.batching.model_dump()).bind(
         checkpoint, backend=args.backend, device=args.device, cache_dir=args.cache_dir, warmup=args.warmup,
         torch_threads=args.scorer.torch_threads, backend_wrapper=args.backend_wrapper,
+        gil_switch_interval_s=args.scorer.gil_switch_interval_s,
         batching=args.batching.model_dump())
     ingress = Ingress.options(ray_actor_options={"num_cpus": args.ingress.num_cpus}).bind(
         scorer, checkpoint, limits=args.limits.model_dump(), api_key_env=args.api_key_env, docs=args.docs,

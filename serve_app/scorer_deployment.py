@@ -64,8 +64,13 @@ class ScorerDeployment:
 
     def __init__(self, checkpoint: str, backend: str = "auto", device: str = "auto", cache_dir: str | None = None,
                  warmup: bool = True, torch_threads: int | None = None, backend_wrapper: str | None = None,
+                 gil_switch_interval_s: float | None = None,
                  batching: dict | None = None):
         t0 = time.perf_counter()
+        if gil_switch_interval_s:
+            import sys
+
+            sys.setswitchinterval(float(gil_switch_interval_s))
         if torch_threads:
             import torch
 
@@ -199,7 +204,10 @@ class ScorerDeployment:
             gpu_ids = [str(g) for g in ray.get_gpu_ids()]
         except Exception:  # noqa: BLE001 - outside a Ray worker
             gpu_ids = []
+        import sys
+
         return dict(self.scorer.info(), policy=self.policy.model_dump(), batching=self.stats(),
+                    gil_switch_interval_s=sys.getswitchinterval(),
                     actor_name=ctx.get_actor_name(), gpu_ids=gpu_ids, ready_s=round(self.ready_s, 3),
                     healthy=self._broken is None)
 

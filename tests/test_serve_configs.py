@@ -45,5 +45,11 @@ def test_builder_rejects_unknown_or_invalid_args():
         BatchingPolicy.model_validate({"max_batch_tokens": 8})
     with pytest.raises(ValidationError):
         BatchingPolicy.model_validate({"batch_wait_s": 0.1})
+    for bad in ({"scorer": {"gil_switch_interval_s": 0}}, {"scorer": {"gil_switch_interval_s": 1.0}},
+                {"ingress": {"max_inflight_calls": 0}}, {"ingress": {"max_call_tokens": 0}}):
+        with pytest.raises(ValidationError):
+            AppArgs.model_validate(dict(bad, checkpoint="x"))
+    ok = AppArgs.model_validate({"checkpoint": "x", "scorer": {"gil_switch_interval_s": 0.0005}})
+    assert ok.scorer.gil_switch_interval_s == 0.0005 and ok.ingress.max_inflight_calls == 4
     app = build_app({"checkpoint": "/nonexistent/ckpt", "scorer": {"num_gpus": 1}})
     assert type(app).__name__ == "Application"
