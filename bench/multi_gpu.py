@@ -88,7 +88,8 @@ def serve_config(checkpoint: str, backend: str, port: int, gpus: int, autoscale_
             d.pop("num_replicas", None)
             d["autoscaling_config"] = {"min_replicas": 1, "max_replicas": autoscale_max,
                                        "target_ongoing_requests": 2, "upscale_delay_s": 3,
-                                       "downscale_delay_s": 15, "look_back_period_s": 3}
+                                       "downscale_delay_s": 15, "look_back_period_s": 3,
+                                       "policy": {"policy_function": "serve_app.autoscale:pending_requests_policy"}}
     return cfg
 
 

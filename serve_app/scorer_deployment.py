@@ -116,6 +116,10 @@ class ScorerDeployment:
         self._m["laya_fleet_token_budget"].set(self.scorer.budget)
         log.info("reconfigured: %s (budget now %d)", policy.model_dump(), self.scorer.budget)
 
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom autoscaling metric (serve_app/autoscale.py): requests queued here plus those running."""
+        return {"pending_requests": float(self.batcher.queued + self.batcher.in_flight)}
+
     def check_health(self) -> None:
         """Raise (so Serve replaces this replica) after a fatal device error; otherwise cheap no-op."""
         if self._broken:

@@ -42,7 +42,9 @@ def gpu_app(serve_cluster, tiny_checkpoint):
     scorer.pop("num_replicas")
     scorer.update(autoscaling_config={"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 2,
                                       "upscale_delay_s": 1, "downscale_delay_s": 3, "look_back_period_s": 2,
-                                      "metrics_interval_s": 0.5},
+                                      "metrics_interval_s": 0.5,
+                                      # what configs/prod.yaml uses: requests pending in the batcher
+                                      "policy": {"policy_function": "serve_app.autoscale:pending_requests_policy"}},
                   graceful_shutdown_timeout_s=2, graceful_shutdown_wait_loop_s=0.5, health_check_period_s=1)
     deploy(cfg, serve_cluster["base"], timeout=180)
     return serve_cluster["base"]
@@ -91,3 +93,22 @@ def test_replicas_get_distinct_gpus_run_on_cpu_and_autoscale_1_to_2_to_1(gpu_app
     r = httpx.post(gpu_app + "/v1/systemone", json={"state": "after", "questions": QUESTIONS}, headers=AUTH,
                    timeout=60)
     assert r.status_code == 200
+
+
+def test_pending_requests_policy_counts_requests_not_calls():
+    from types import SimpleNamespace
+
+    from serve_app.autoscale import pending_requests_policy
+
+    cfg = SimpleNamespace(get_target_ongoing_requests=lambda: 64)
+
+    def ctx(n, pending, calls=3):
+        return SimpleNamespace(current_num_replicas=n, target_num_replicas=n, total_num_requests=calls,
+                               aggregated_metrics={"pending_requests": pending} if pending is not None else {},
+                               config=cfg)
+
+    # 3 coalesced calls carrying 300 pending requests on one replica: ask for 300 / 64 replicas, not 3 / 64
+    assert pending_requests_policy(ctx(1, {"r1": 300.0}))[0] == 300 / 64
+    assert pending_requests_policy(ctx(2, {"r1": 10.0, "r2": 6.0}))[0] == 16 / 64
+    assert pending_requests_policy(ctx(1, None, calls=128))[0] == 2.0  # no metric yet: Serve's own count
+    assert pending_requests_policy(ctx(0, {"r1": 5.0}))[0] == 0
