@@ -138,8 +138,10 @@ class FleetServer(Server):
             with os.fdopen(fd, "w") as fh:
                 yaml.safe_dump(config, fh, sort_keys=False)
         self.url = "http://127.0.0.1:%d" % config["http_options"]["port"]
-        # "local": always a fresh single-node Ray, never a cluster some earlier `ray start` left recorded
-        self._spawn([os.path.join(BIN, "serve"), "run", "--address", address or "local", path])
+        # the given cluster, else $RAY_ADDRESS (bench/multi_gpu.py sets it), else "local": a fresh single-node
+        # Ray, never a cluster some earlier `ray start` left recorded in /tmp/ray
+        address = address or os.environ.get("RAY_ADDRESS") or "local"
+        self._spawn([os.path.join(BIN, "serve"), "run", "--address", address, path])
         try:
             self.ready_s = self.wait_ready("/ready", ready_timeout)
         except BaseException:
