@@ -66,6 +66,20 @@ def make_payloads(n: int = 512, seed: int = 0) -> list[dict]:
 
 # -- servers ----------------------------------------------------------------------------------------
 
+def stop_group(proc: subprocess.Popen, steps) -> None:
+    """Signal `proc`'s process group with each (signal, seconds to wait) in turn until it has exited."""
+    for sig, wait in steps:
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
 class Server:
     """A server process started in its own session (so it and its children are stopped together)."""
 
@@ -102,16 +116,7 @@ class Server:
         """SIGINT the process group (serve run shuts Serve and its local Ray down), then escalate."""
         if self.proc is None or self.proc.poll() is not None:
             return
-        for sig, wait in ((signal.SIGINT, 60), (signal.SIGTERM, 20), (signal.SIGKILL, 10)):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                self.proc.wait(wait)
-                break
-            except subprocess.TimeoutExpired:
-                continue
+        stop_group(self.proc, ((signal.SIGINT, 60), (signal.SIGTERM, 20), (signal.SIGKILL, 10)))
         self._log.close()
 
     def __enter__(self):
@@ -187,15 +192,7 @@ class LocalCluster:
     def stop(self) -> None:
         """Stop the nodes (workers first), each with its process group."""
         for proc in reversed(self.procs):
-            for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-                try:
-                    os.killpg(proc.pid, sig)
-                    proc.wait(wait)
-                    break
-                except ProcessLookupError:
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
+            stop_group(proc, ((signal.SIGTERM, 30), (signal.SIGKILL, 10)))
         for log in self._logs:
             log.close()
         # `ray start` records the head's address for later ray.init() calls without one: a stopped cluster

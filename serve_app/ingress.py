@@ -233,6 +233,11 @@ class Ingress:
         supplied = (request.headers.get("authorization") or "").encode("latin-1")
         return hmac.compare_digest(supplied, self._expected_auth)
 
+    def _require_bearer(self, request: Request) -> None:
+        """401 with WWW-Authenticate unless the request carries the configured bearer key."""
+        if not self._authorized(request):
+            raise HTTPError(401, "invalid or missing bearer token", {"WWW-Authenticate": "Bearer"})
+
     async def _read_json(self, request: Request) -> Any:
         cap = self.limits.max_body_bytes
         declared = request.headers.get("content-length")
@@ -380,8 +385,7 @@ class Ingress:
         t0 = time.perf_counter()
         status = 500
         try:
-            if not self._authorized(request):
-                raise HTTPError(401, "invalid or missing bearer token", {"WWW-Authenticate": "Bearer"})
+            self._require_bearer(request)
             body = await self._read_json(request)
             if not isinstance(body, dict) or "questions" not in body:
                 raise HTTPError(400, "request body must be an object with a 'questions' field")
@@ -417,8 +421,7 @@ class Ingress:
         t0 = time.perf_counter()
         status = 500
         try:
-            if not self._authorized(request):
-                raise HTTPError(401, "invalid or missing bearer token", {"WWW-Authenticate": "Bearer"})
+            self._require_bearer(request)
             body = await self._read_json(request)
             if not isinstance(body, dict) or "questions" not in body or "states" not in body:
                 raise HTTPError(400, "request body must be an object with 'states' and 'questions' fields")
@@ -459,8 +462,7 @@ class Ingress:
         """The counters of whichever scorer replica answers (requests, batches, requests-per-batch histogram,
         waits, forward seconds) and, under `ingress`, this ingress replica's scorer calls and the requests they
         carried. Same bearer rule as the scoring routes."""
-        if not self._authorized(request):
-            raise HTTPError(401, "invalid or missing bearer token", {"WWW-Authenticate": "Bearer"})
+        self._require_bearer(request)
         resp = self.scorer.stats.remote()
         try:
             out = await asyncio.wait_for(resp, 5.0)

@@ -149,9 +149,9 @@ class Scorer:
     def _choose_budget(self) -> int:
         """The smallest budget within 5% of the best throughput measured over every budget that fits.
 
-        Every candidate is measured (a noisy step must not stop the search early) until one runs out of
-        memory or peaks above 80% of the device; the smallest budget close to the best keeps batches, and
-        so queueing latency, short when a bigger one would not pay.
+        Candidates are measured (a small or noisy step does not stop the search) until one runs out of
+        memory, peaks above 80% of the device or falls 10% below the best so far; the smallest budget close
+        to the best keeps batches, and so queueing latency, short when a bigger one would not pay.
         """
         import torch
 
@@ -179,8 +179,8 @@ class Scorer:
                 break
             log.info("budget %d: %.0f tokens/s, peak %.1f GiB", budget, tps, peak / 2**30)
             measured.append((budget, tps))
-            if peak > 0.8 * total:
-                break
+            if peak > 0.8 * total or tps < 0.9 * max(t for _, t in measured):
+                break  # near the memory limit, or clearly past the peak: larger budgets only cost warm-up time
         self.stats.budget_probe = {str(b): round(t) for b, t in measured}
         return pick_budget(measured, MIN_BUDGET * 8)
 
