@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -43,7 +44,7 @@ REPO = os.path.dirname(HERE)
 sys.path[:0] = [HERE, REPO]
 
 from offline import make_data  # noqa: E402
-from serve_load import FleetServer, fleet_config, free_port, make_payloads, run_level  # noqa: E402
+from serve_load import FleetServer, fleet_config, free_port, make_payloads, run_level, stop_group  # noqa: E402
 
 QUESTIONS = os.path.join(REPO, "configs", "example_questions.json")
 
@@ -76,12 +77,27 @@ def start_cluster(logical_gpus: int | None, tmp: str) -> tuple[subprocess.Popen,
     return proc, address, gpus
 
 
+def join_cpu_node(address: str, tmp: str, i: int) -> subprocess.Popen:
+    """`ray start --address` a CPU-only node on this host (another Serve proxy on the same port)."""
+    cmd = [os.path.join(os.path.dirname(sys.executable), "ray"), "start", "--block", "--address", address,
+           "--num-gpus", "0", "--num-cpus", "4", "--disable-usage-stats"]
+    proc = subprocess.Popen(cmd, stdout=open(os.path.join(tmp, "ray-node%d.log" % i), "w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    time.sleep(5.0)
+    return proc
+
+
 def serve_config(checkpoint: str, backend: str, port: int, gpus: int, autoscale_max: int | None,
-                 cache_dir: str) -> dict:
-    """configs/local.yaml for the bench: one GPU per scorer, shared cache, fixed 1 or autoscaled 1..max."""
+                 cache_dir: str, local_dir: str) -> dict:
+    """configs/local.yaml for the bench: one GPU per scorer, shared cache, fixed 1 or autoscaled 1..max.
+
+    `local_dir` is the replicas' node-local compile dir: a fresh one per part, so the first part's replica
+    compiles (empty shared cache) and the second part's replicas can only get kernels from the shared cache.
+    """
     cfg = fleet_config(checkpoint, backend, "auto", port, 1, 2, None, gpus)
     app = cfg["applications"][0]
-    app.setdefault("runtime_env", {}).setdefault("env_vars", {}).update(dict(NV_ENV, LAYA_FLEET_CACHE_DIR=cache_dir))
+    app.setdefault("runtime_env", {}).setdefault("env_vars", {}).update(
+        dict(NV_ENV, LAYA_FLEET_CACHE_DIR=cache_dir, LAYA_FLEET_LOCAL_CACHE_DIR=local_dir))
     app["args"]["cache_dir"] = cache_dir
     for d in app["deployments"]:
         if d["name"] == "Scorer" and autoscale_max:
@@ -121,6 +137,9 @@ def replica_infos(n: int) -> list[dict]:
         seen[i["pid"]] = {k: i.get(k) for k in ("pid", "gpu_ids", "cuda_visible_devices", "device", "backend",
                                                 "ready_s", "load_s")}
         seen[i["pid"]]["warmup_s"] = i["stats"]["warmup_s"]
+        cache = i.get("cache") or {}
+        seen[i["pid"]]["cache"] = {"seeded": {k: v.get("state") for k, v in (cache.get("seeded") or {}).items()},
+                                   "published": cache.get("published")}
         if len(seen) >= n:
             break
     return sorted(seen.values(), key=lambda r: r["pid"])
@@ -135,8 +154,27 @@ def nvidia_smi() -> str:
         return "nvidia-smi: %s" % e
 
 
-def load(url: str, clients: int, seconds: float) -> dict:
-    """One closed-loop level against /v1/systemone."""
+def heavy_payloads(states: int, n: int = 128, seed: int = 0) -> list[dict]:
+    """`n` bodies for /v1/systemone/batch: `states` long customer messages (150..400 words) x 3 questions.
+
+    One request is ~`states` x 3 rows of ~250-600 tokens, so a replica's GPU, not the single HTTP proxy
+    (~225 small requests/s on the H200 host, BENCHMARKS.md), bounds the throughput being scaled."""
+    rng = random.Random(seed)
+    small = make_payloads(n * states, seed)
+    out = []
+    for i in range(n):
+        sts = []
+        for j in range(states):
+            words = [small[(i * states + j + k) % len(small)]["state"] for k in range(rng.randint(8, 22))]
+            sts.append(" ".join(words))
+        out.append({"states": sts, "questions": small[0]["questions"], "model": small[0]["model"]})
+    return out
+
+
+def load(url: str, clients: int, seconds: float, states: int) -> dict:
+    """One closed-loop level: /v1/systemone (1 state) or, with `states` > 1, /v1/systemone/batch."""
+    if states > 1:
+        return asyncio.run(run_level(url + "/v1/systemone/batch", heavy_payloads(states), clients, seconds, 1.0))
     return asyncio.run(run_level(url + "/v1/systemone", make_payloads(), clients, seconds, 1.0))
 
 
@@ -146,22 +184,22 @@ def part_serve(args, n: int, tmp: str) -> dict:
     res: dict = {}
     port = free_port()
     log("serve: 1 replica, empty shared cache")
-    with FleetServer(serve_config(args.checkpoint, args.backend, port, n, None, cache),
-                     os.path.join(tmp, "serve1.log")) as s:
-        res["one"] = {"ready_s": s.ready_s, "replicas": replica_infos(1), "load": load(s.url, args.clients,
-                                                                                        args.duration)}
+    with FleetServer(serve_config(args.checkpoint, args.backend, port, n, None, cache,
+                                  os.path.join(tmp, "local-1")), os.path.join(tmp, "serve1.log")) as s:
+        res["one"] = {"ready_s": s.ready_s, "replicas": replica_infos(1),
+                      "load": load(s.url, args.clients, args.duration, args.states)}
     log("serve: 1 replica %.1f req/s" % res["one"]["load"]["rps"])
     reset_serve_client()
     port = free_port()
     log("serve: autoscaled 1..%d, populated cache" % n)
-    with FleetServer(serve_config(args.checkpoint, args.backend, port, n, n, cache),
-                     os.path.join(tmp, "serveN.log")) as s:
+    with FleetServer(serve_config(args.checkpoint, args.backend, port, n, n, cache,
+                                  os.path.join(tmp, "local-n")), os.path.join(tmp, "serveN.log")) as s:
         ramp, t0 = [], time.monotonic()
         while replicas().get("RUNNING", 0) < n and time.monotonic() - t0 < args.scale_timeout:
-            ramp.append(dict(load(s.url, args.clients * n, 5.0), replicas=replicas()))
+            ramp.append(dict(load(s.url, args.clients * n, 5.0, args.states), replicas=replicas()))
         res["scale_up_s"] = round(time.monotonic() - t0, 1)
         res["ramp"] = ramp
-        res["n"] = {"replicas": replica_infos(n), "load": load(s.url, args.clients * n, args.duration),
+        res["n"] = {"replicas": replica_infos(n), "load": load(s.url, args.clients * n, args.duration, args.states),
                     "nvidia_smi": nvidia_smi()}
         t0 = time.monotonic()
         while replicas().get("RUNNING", 0) > 1 and time.monotonic() - t0 < args.scale_timeout:
@@ -230,14 +268,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--duration", type=float, default=20.0)
     p.add_argument("--scale-timeout", type=float, default=180.0)
     p.add_argument("--rows", type=int, default=20000)
+    p.add_argument("--states", type=int, default=8,
+                   help="states per request (/v1/systemone/batch, long states); 1 = /v1/systemone, one short state")
+    p.add_argument("--proxies", type=int, default=1,
+                   help="Serve HTTP proxies: one per Ray node; >1 adds CPU-only nodes on this host (SO_REUSEPORT)")
     p.add_argument("--parts", default="serve,offline")
     p.add_argument("--out", default=os.path.join(REPO, "bench", "results", "multi_gpu.json"))
     args = p.parse_args(argv)
     args.checkpoint = os.path.abspath(args.checkpoint)
     tmp = tempfile.mkdtemp(prefix="multi-gpu-")
     proc, address, n = start_cluster(args.logical_gpus, tmp)
+    procs = [proc] + [join_cpu_node(address, tmp, i) for i in range(1, args.proxies)]
     os.environ["RAY_ADDRESS"] = address
-    res: dict = {"gpus": n, "address": address, "env": NV_ENV, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    res: dict = {"gpus": n, "address": address, "env": NV_ENV, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                 "states_per_request": args.states, "proxies": args.proxies, "clients_per_replica": args.clients}
     try:
         if n < 1:
             log("no GPU in the cluster: nothing to do")
@@ -250,8 +294,8 @@ def main(argv: list[str] | None = None) -> int:
         import ray
 
         ray.shutdown()
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(60)
+        for pr in reversed(procs):
+            stop_group(pr, ((signal.SIGTERM, 60), (signal.SIGKILL, 10)))
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w", encoding="utf-8") as fh:
             json.dump(res, fh, indent=1, default=str)
@@ -271,9 +315,13 @@ def main(argv: list[str] | None = None) -> int:
                 print("%-8s %-20s %-10s %s" % (part, k, v, "ok" if good else "MISSED"))
     if "serve" in res:
         for r in res["serve"]["one"]["replicas"] + res["serve"]["n"]["replicas"]:
-            print("replica pid %-8s gpu %-6s CUDA_VISIBLE_DEVICES %-6s device %-6s warm-up %.1fs ready %.1fs" % (
-                r["pid"], ",".join(r["gpu_ids"] or []) or "-", r["cuda_visible_devices"], r["device"],
-                r["warmup_s"], r["ready_s"] or 0))
+            c = r.get("cache") or {}
+            print("replica pid %-8s gpu %-6s CUDA_VISIBLE_DEVICES %-6s device %-6s load %.1fs warm-up %.1fs "
+                  "ready %.1fs seeded %s published %s" % (
+                      r["pid"], ",".join(r["gpu_ids"] or []) or "-", r["cuda_visible_devices"], r["device"],
+                      r.get("load_s") or 0, r["warmup_s"], r["ready_s"] or 0,
+                      ",".join("%s:%s" % kv for kv in (c.get("seeded") or {}).items()) or "-",
+                      ",".join("%s:%s" % kv for kv in (c.get("published") or {}).items()) or "-"))
     print("wrote %s" % args.out)
     return 0 if ok else 1
 

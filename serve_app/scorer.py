@@ -131,7 +131,12 @@ class Scorer:
         return {"backend": self.engine.backend_name, "device": self.device, "budget": self.budget,
                 "load_s": round(self.load_s, 3), "ready_s": round(self.ready_s, 3),
                 "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "pid": os.getpid(),
-                "stats": self.stats.as_dict()}
+                "stats": self.stats.as_dict(), "cache": self._cache_report()}
+
+    def _cache_report(self) -> dict[str, Any] | None:
+        """Where this process's compiler caches are and what was seeded from / published to the shared one."""
+        session = getattr(self.engine, "cache", None)
+        return session.report() if session is not None else None
 
     def _default_budget(self) -> int:
         if self.engine.device.type != "cuda":
