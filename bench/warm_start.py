@@ -124,9 +124,20 @@ def child(spec: dict) -> dict:
 
     if spec["device"] == "cpu":
         torch.set_num_threads(spec.get("threads") or torch.get_num_threads())
-    from torch._dynamo.utils import counters
+    if spec["backend"] != "fast":  # dynamo's counters; the fast path itself never imports dynamo (~1.5 s)
+        from torch._dynamo.utils import counters
+    else:
+        import collections
+
+        counters = collections.defaultdict(collections.Counter)
 
     out: dict = {"t_import_done": time.time(), "t_child_start": t_import}
+    prof = None
+    if spec.get("profile"):
+        import cProfile
+
+        prof = cProfile.Profile()
+        prof.enable()
     try:
         engine = model.load(spec["checkpoint"], device=spec["device"], backend=spec["backend"],
                             cache_dir=spec["cache_dir"], **spec.get("options", {}))
@@ -139,6 +150,9 @@ def child(spec: dict) -> dict:
     if engine.device.type == "cuda":
         torch.cuda.synchronize()
     out["t_ready"] = time.time()
+    if prof is not None:
+        prof.disable()
+        prof.dump_stats(spec["profile"] + ".prof")
     _progress(out, "ready")
     out["backend"] = engine.backend_name
     out["cache"] = engine.cache.report() if engine.cache is not None else None
@@ -190,10 +204,15 @@ def start_row(args, name: str, backend: str, state: str, cache_dir: str, local: 
     env = {k: v for k, v in os.environ.items() if k not in CACHE_ENV}
     env.update({"LAYA_FLEET_LOCAL_CACHE_DIR": local, "PYTHONPATH": os.pathsep.join(
         [p for p in (ROOT, os.environ.get("PYTHONPATH")) if p])})
+    log_path = None
+    if args.profile:  # cProfile of load + warm-up, `-X importtime` and the whole stderr, per row
+        os.makedirs(args.profile, exist_ok=True)
+        full["profile"] = log_path = os.path.join(args.profile, name.replace(" ", "_"))
+        env["PYTHONPROFILEIMPORTTIME"] = "1"
     t0 = time.time()
     p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", json.dumps(full)], env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    return {"row": row, "proc": p, "t0": t0, "deadline": deadline}
+    return {"row": row, "proc": p, "t0": t0, "deadline": deadline, "log": log_path}
 
 
 def finish_row(h: dict) -> dict:
@@ -215,15 +234,20 @@ def finish_row(h: dict) -> dict:
         row["incomplete"] = "timed out after ready: accuracy / peak unfinished"
         stdout = "RESULT " + partial[-1][8:]
         p.returncode = 0
+    if h.get("log"):
+        with open(h["log"] + ".stderr.log", "w") as fh:
+            fh.write(stderr)
+        stderr = "\n".join(x for x in stderr.splitlines() if not x.startswith("import time:"))
     # a library may have left a partial line on stdout: find the marker anywhere in a line
     lines = [x[x.index("RESULT {"):] for x in stdout.splitlines() if "RESULT {" in x]
     if p.returncode != 0 or not lines:
         tb = stderr.rfind("Traceback (most recent call last)")
         if tb < 0:  # a native crash: faulthandler's thread stacks come first, its long module list last
             tb = stderr.rfind("Fatal Python error")
-        row["error"] = "exit %s; %s\n--- stderr tail ---\n%s\n--- stdout tail ---\n%s" % (
+        before = stderr[max(0, tb - 2000):tb] if tb > 0 else ""  # a native library's own message, if any
+        row["error"] = "exit %s; %s\n--- stderr before it ---\n%s\n--- stderr tail ---\n%s\n--- stdout tail ---\n%s" % (
             p.returncode, stderr[tb:tb + 6000] if tb >= 0 else "no Python traceback (killed or crashed?)",
-            stderr[-3000:], stdout[-1500:])
+            before, stderr[-3000:], stdout[-1500:])
         return row
     r = json.loads(lines[-1][7:])
     if "skipped" in r:
@@ -319,6 +343,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tag", default=None, help="result file suffix (default: cpu / gpu name)")
     ap.add_argument("--deadline-s", type=float, default=3000.0, help="skip rows that would start after this")
     ap.add_argument("--row-timeout-s", type=float, default=1e9, help="stop one row's child after this long")
+    ap.add_argument("--profile", default=None,
+                    help="dir: per row, a cProfile of load + warm-up (.prof) and the child's stderr with -X importtime")
     args = ap.parse_args(argv)
     if args.child:
         import faulthandler

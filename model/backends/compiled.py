@@ -390,10 +390,35 @@ def make_aot_backend(model: torch.nn.Module, bundle: Any, device: torch.device, 
                 "no AOTInductor package %s for %s in %s; build it with `laya-fleet aot --checkpoint %s "
                 "--cache-dir %s --device %s` (or pass build=True)" % (key.name, bundle.path, session.cache_dir,
                                                                      bundle.path, session.cache_dir, device.type))
-        build_aot_package(bundle.path, session.cache_dir, device, model=model, bundle=bundle, force=True)
+        build_in_subprocess(bundle.path, session.cache_dir, device)
+        if not os.path.isfile(local):  # published to the shared cache by the builder: take this node's copy
+            session.shared.seed(key, os.path.dirname(local))
         session.published["aoti"] = "built"
     return AotBackend(local, bundle, device)
 
 
+def build_in_subprocess(checkpoint: str, cache_dir: str | None, device: torch.device) -> None:
+    """`laya-fleet aot` in a child process: the package is compiled there and only loaded here.
+
+    Loading an AOTI package on CUDA in the process that has just compiled it crashed (SIGSEGV inside
+    `aoti_load_package`, torch 2.11, H200); a child also keeps the compiler's memory, worker pool and
+    threads out of the serving process.
+    """
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "model.cli", "aot", "--checkpoint", checkpoint, "--device", torch.device(device).type]
+    if cache_dir:
+        cmd += ["--cache-dir", cache_dir]
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
+    t = time.perf_counter()
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError("building the AOTI package failed (exit %s): %s" % (r.returncode, r.stderr[-2000:]))
+    log.info("AOTI package built in a child process in %.1fs: %s", time.perf_counter() - t, r.stdout.strip())
+
+
 __all__ = ["CompileBackend", "AotBackend", "make_compile_backend", "make_aot_backend", "build_aot_package",
+           "build_in_subprocess",
            "export_model", "padded_batch", "aot_key", "bf16_copy", "local_package_path"]
