@@ -131,7 +131,8 @@ class FleetServer(Server):
 
     name = "laya-fleet"
 
-    def __init__(self, config: dict | str, log_path: str, ready_timeout: float = 900.0, address: str | None = None):
+    def __init__(self, config: dict | str, log_path: str, ready_timeout: float = 900.0, address: str | None = None,
+                 direct: bool = False):
         super().__init__(log_path)
         self._tmp = None
         if isinstance(config, str):  # a config file, run as is
@@ -146,9 +147,22 @@ class FleetServer(Server):
         # the given cluster, else $RAY_ADDRESS (bench/multi_gpu.py sets it), else "local": a fresh single-node
         # Ray, never a cluster some earlier `ray start` left recorded in /tmp/ray
         address = address or os.environ.get("RAY_ADDRESS") or "local"
-        self._spawn([os.path.join(BIN, "serve"), "run", "--address", address, path])
+        env = None
+        if direct:  # every Ingress replica also serves HTTP on its own port (serve_app/direct_ingress.py)
+            if address != "local":
+                raise ValueError("direct ingress is set when Ray starts: only with serve run's own local Ray")
+            env = dict(os.environ, RAY_SERVE_ENABLE_DIRECT_INGRESS="1",
+                       RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S="1")
+        self._spawn([os.path.join(BIN, "serve"), "run", "--address", address, path], env)
+        self.urls: list[str] = []
         try:
             self.ready_s = self.wait_ready("/ready", ready_timeout)
+            if direct:
+                from serve_app.direct_ingress import ingress_ports
+
+                n = next(d.get("num_replicas", 1) for d in config["applications"][0]["deployments"]
+                         if d["name"] == "Ingress")
+                self.urls = ["http://127.0.0.1:%d" % p for p in ingress_ports(n, timeout=120)]
         except BaseException:
             self.stop()
             raise
@@ -281,17 +295,21 @@ def floor_config(port: int, ingress_replicas: int) -> dict:
 
 # -- load ---------------------------------------------------------------------------------------------
 
-async def _clients(url: str, bodies: list[bytes], clients: int, t_measure: float, t_end: float,
+async def _clients(url: str | list[str], bodies: list[bytes], clients: int, t_measure: float, t_end: float,
                    headers: dict | None, timeout: float) -> list[tuple[float, int, float]]:
-    """`clients` closed loops until `t_end`; (done time, status, latency s) of requests started after `t_measure`."""
+    """`clients` closed loops until `t_end`; (done time, status, latency s) of requests started after `t_measure`.
+
+    A list of URLs (direct-ingress replicas) is spread over the clients, client k on URL k mod n."""
     import aiohttp
 
+    urls = url if isinstance(url, list) else [url]
     records: list[tuple[float, int, float]] = []
     counter = iter(range(10 ** 12))
     hdrs = dict(headers or {}, **{"Content-Type": "application/json"})
 
     async def client(session, k):
         i = k * 7919
+        url = urls[k % len(urls)]
         while time.monotonic() < t_end:
             body = bodies[(next(counter) + i) % len(bodies)]
             t = time.monotonic()
@@ -318,7 +336,7 @@ def _client_proc(job: tuple) -> list[tuple[float, int, float]]:
     return asyncio.run(_clients(url, bodies, clients, t_start + warmup, t_start + warmup + duration, headers, timeout))
 
 
-async def run_level(url: str, payloads: list[dict], clients: int, duration: float, warmup: float,
+async def run_level(url: str | list[str], payloads: list[dict], clients: int, duration: float, warmup: float,
                     headers: dict | None = None, timeout: float = 120.0) -> dict:
     """One closed-loop level in this process: `clients` loops for `warmup` + `duration` s."""
     bodies = [json.dumps(p).encode() for p in payloads]
@@ -328,7 +346,7 @@ async def run_level(url: str, payloads: list[dict], clients: int, duration: floa
     return summarize(records, span, clients)
 
 
-def load_level(url: str, payloads: list[dict], clients: int, duration: float, warmup: float,
+def load_level(url: str | list[str], payloads: list[dict], clients: int, duration: float, warmup: float,
                headers: dict | None = None, procs: int = 1, timeout: float = 120.0) -> dict:
     """One level, its clients spread over `procs` processes (one Python client tops out near 2k req/s)."""
     procs = max(1, min(procs, clients))
@@ -339,7 +357,10 @@ def load_level(url: str, payloads: list[dict], clients: int, duration: float, wa
     bodies = [json.dumps(p).encode() for p in payloads]
     t_start = time.monotonic() + 3.0  # every process is up and connected-ready by then
     share = [clients // procs + (1 if i < clients % procs else 0) for i in range(procs)]
-    jobs = [(url, bodies, n, t_start, warmup, duration, headers, timeout) for n in share]
+    def rotated(i):  # each process starts its clients on a different URL
+        return url[i % len(url):] + url[:i % len(url)] if isinstance(url, list) else url
+
+    jobs = [(rotated(i), bodies, n, t_start, warmup, duration, headers, timeout) for i, n in enumerate(share)]
     with multiprocessing.get_context("spawn").Pool(procs) as pool:
         parts = pool.map(_client_proc, jobs)
     records = [r for part in parts for r in part]
@@ -475,7 +496,8 @@ def run_server(server: Server, payloads: list[dict], levels: list[int], duration
                headers: dict | None, client_procs: int = 1, cpu: bool = False) -> list[dict]:
     """All levels against one server; prints each row as it completes (with Serve processes' CPU when `cpu`,
     and the scorer's batches and forward time where the server has `/stats`)."""
-    url = server.url + "/v1/systemone"
+    urls = getattr(server, "urls", None)
+    url = [u + "/v1/systemone" for u in urls] if urls else server.url + "/v1/systemone"
     rows = []
     pids = serve_pids() if cpu else {}
     for n in levels:
@@ -563,6 +585,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--proxies", default="1",
                    help="HTTP proxies: > 1 starts a Ray cluster of that many nodes on this host (one proxy each, "
                         "sharing the port); 1 = `serve run`'s own single-node Ray; a list (1,4) runs each")
+    p.add_argument("--ingress-mode", default="proxy",
+                   help="proxy (HTTP through Serve's proxy), direct (RAY_SERVE_ENABLE_DIRECT_INGRESS: each ingress "
+                        "replica serves HTTP on its own port, clients spread over them), or both: proxy,direct")
     p.add_argument("--gil-switch-interval", type=float, default=None,
                    help="scorer replicas' sys.setswitchinterval (default: Python's 0.005 s)")
     p.add_argument("--skip-forward", action="store_true",
@@ -599,39 +624,49 @@ def main(argv: list[str] | None = None) -> int:
     print("%-20s %7s %8s %9s %9s %9s %9s  %s" % ("server", "clients", "requests", "req/s", "p50 ms", "p90 ms",
                                                    "p99 ms", "errors"))
     proxy_counts = [int(x) for x in str(args.proxies).split(",") if x.strip()]
+    modes = [m.strip() for m in args.ingress_mode.split(",") if m.strip()]
     for k in proxy_counts if not args.url else []:
-        suffix = "" if len(proxy_counts) == 1 else " (%d prox%s)" % (k, "y" if k == 1 else "ies")
         cluster = LocalCluster(k, os.path.dirname(logs)) if k > 1 else None
         address = cluster.address if cluster else None
         try:
-            if args.floor:
-                cfg = floor_config(free_port(), ingress)
-                cfg["proxy_location"] = "EveryNode"
-                with FleetServer(cfg, logs + ".floor%d.log" % k, address=address) as srv:
-                    srv.name = "serve floor (no work)" + suffix
-                    results[srv.name] = run_server(srv, payloads, levels, args.duration, args.warmup, None, procs,
-                                                   cpu=True)
-            if args.skip_forward:
-                cfg = fleet_config(args.checkpoint, args.backend, args.device, free_port(), args.replicas, ingress,
-                                   args.max_batch_tokens, gpus, args.ingress_inflight,
-                                   args.gil_switch_interval)
-                cfg["proxy_location"] = "EveryNode"
-                cfg["applications"][0]["args"]["backend_wrapper"] = "bench.serve_floor_app:SkipForward"
-                with FleetServer(cfg, logs + ".skip%d.log" % k, address=address) as srv:
-                    srv.name = "laya-fleet, forward skipped" + suffix
-                    results[srv.name] = run_server(srv, payloads, levels, args.duration, args.warmup, None, procs,
-                                                   cpu=True)
-            if not args.upstream_only:
-                cfg = fleet_config(args.checkpoint, args.backend, args.device, free_port(), args.replicas, ingress,
-                                   args.max_batch_tokens, gpus, args.ingress_inflight,
-                                   args.gil_switch_interval)
-                cfg["proxy_location"] = "EveryNode"
-                with FleetServer(cfg, logs + ".fleet%d.log" % k, address=address) as srv:
-                    srv.name = "laya-fleet" + suffix
-                    startup[srv.name] = round(srv.ready_s, 1)
-                    answers[srv.name] = sample_answers(srv.url + "/v1/systemone", payloads[:16])
-                    results[srv.name] = run_server(srv, payloads, levels, args.duration, args.warmup, None, procs,
-                                                   cpu=True)
+            for mode in modes:
+                direct = mode == "direct"
+                if direct and k > 1:
+                    print("(direct ingress is run with 1 proxy only: its replicas serve HTTP themselves)")
+                    continue
+                names = [] if len(proxy_counts) == 1 else ["%d prox%s" % (k, "y" if k == 1 else "ies")]
+                names += ["direct ingress"] if direct else ([] if len(modes) == 1 else ["via proxy"])
+                suffix = " (%s)" % ", ".join(names) if names else ""
+                tag = "%s%d" % ("d" if direct else "", k)
+                if args.floor:
+                    cfg = floor_config(free_port(), ingress)
+                    cfg["proxy_location"] = "EveryNode"
+                    with FleetServer(cfg, logs + ".floor%s.log" % tag, address=address, direct=direct) as srv:
+                        srv.name = "serve floor (no work)" + suffix
+                        results[srv.name] = run_server(srv, payloads, levels, args.duration, args.warmup, None,
+                                                       procs, cpu=True)
+                if args.skip_forward:
+                    cfg = fleet_config(args.checkpoint, args.backend, args.device, free_port(), args.replicas,
+                                       ingress, args.max_batch_tokens, gpus, args.ingress_inflight,
+                                       args.gil_switch_interval)
+                    cfg["proxy_location"] = "EveryNode"
+                    cfg["applications"][0]["args"]["backend_wrapper"] = "bench.serve_floor_app:SkipForward"
+                    with FleetServer(cfg, logs + ".skip%s.log" % tag, address=address, direct=direct) as srv:
+                        srv.name = "laya-fleet, forward skipped" + suffix
+                        results[srv.name] = run_server(srv, payloads, levels, args.duration, args.warmup, None,
+                                                       procs, cpu=True)
+                if not args.upstream_only:
+                    cfg = fleet_config(args.checkpoint, args.backend, args.device, free_port(), args.replicas,
+                                       ingress, args.max_batch_tokens, gpus, args.ingress_inflight,
+                                       args.gil_switch_interval)
+                    cfg["proxy_location"] = "EveryNode"
+                    with FleetServer(cfg, logs + ".fleet%s.log" % tag, address=address, direct=direct) as srv:
+                        srv.name = "laya-fleet" + suffix
+                        startup[srv.name] = round(srv.ready_s, 1)
+                        answers[srv.name] = sample_answers((srv.urls or [srv.url])[0] + "/v1/systemone",
+                                                           payloads[:16])
+                        results[srv.name] = run_server(srv, payloads, levels, args.duration, args.warmup, None,
+                                                       procs, cpu=True)
         finally:
             if cluster:
                 cluster.stop()
@@ -649,7 +684,8 @@ def main(argv: list[str] | None = None) -> int:
                            "settings": {"levels": levels, "duration_s": args.duration, "warmup_s": args.warmup,
                                         "replicas": args.replicas, "ingress_replicas": ingress,
                                         "ingress_inflight": args.ingress_inflight, "client_procs": procs,
-                                        "proxies": args.proxies, "gil_switch_interval_s": args.gil_switch_interval,
+                                        "proxies": args.proxies, "ingress_mode": args.ingress_mode,
+                                        "gil_switch_interval_s": args.gil_switch_interval,
                                         "max_batch_tokens": args.max_batch_tokens, "url": args.url},
                            "startup_s": startup, "results": results}
     names = list(answers)
