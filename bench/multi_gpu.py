@@ -275,6 +275,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--parts", default="serve,offline")
     p.add_argument("--out", default=os.path.join(REPO, "bench", "results", "multi_gpu.json"))
     args = p.parse_args(argv)
+    # `timeout` / a job runner sends SIGTERM: unwind so every server and cluster started here is stopped
+    # (their process groups outlive this one otherwise, holding the GPU and ports)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     args.checkpoint = os.path.abspath(args.checkpoint)
     tmp = tempfile.mkdtemp(prefix="multi-gpu-")
     proc, address, n = start_cluster(args.logical_gpus, tmp)

@@ -151,8 +151,13 @@ class FleetServer(Server):
         if direct:  # every Ingress replica also serves HTTP on its own port (serve_app/direct_ingress.py)
             if address != "local":
                 raise ValueError("direct ingress is set when Ray starts: only with serve run's own local Ray")
+            # a port range of this instance's own: a leftover Serve on the host must not take the load
+            lo = 30000 + (free_port() % 400) * 50
+            self._direct_range = (lo, lo + 49)
             env = dict(os.environ, RAY_SERVE_ENABLE_DIRECT_INGRESS="1",
-                       RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S="1")
+                       RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S="1",
+                       RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT=str(lo),
+                       RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT=str(lo + 49))
         self._spawn([os.path.join(BIN, "serve"), "run", "--address", address, path], env)
         self.urls: list[str] = []
         try:
@@ -162,7 +167,11 @@ class FleetServer(Server):
 
                 n = next(d.get("num_replicas", 1) for d in config["applications"][0]["deployments"]
                          if d["name"] == "Ingress")
-                self.urls = ["http://127.0.0.1:%d" % p for p in ingress_ports(n, timeout=120)]
+                found = ingress_ports(n, timeout=120, scan=50, ports=self._direct_range)
+                if len(found) != n:
+                    raise RuntimeError("expected %d direct-ingress ports in %s, found %s" % (n, self._direct_range,
+                                                                                           found))
+                self.urls = ["http://127.0.0.1:%d" % p for p in found]
         except BaseException:
             self.stop()
             raise
@@ -604,6 +613,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--api-key-env", default=None, help="env var holding a bearer key for --url")
     p.add_argument("--out", default=os.path.join(REPO, "bench", "results", "serve_cpu.json"))
     args = p.parse_args(argv)
+    # `timeout` / a job runner sends SIGTERM: unwind so every server and cluster started here is stopped
+    # (their process groups outlive this one otherwise, holding the GPU and ports)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     levels = [int(x) for x in args.levels.split(",") if x.strip()]
     payloads = make_payloads()

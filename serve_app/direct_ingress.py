@@ -39,13 +39,15 @@ def _answers(host: str, port: int, path: str) -> bool:
 
 
 def ingress_ports(expect: int, host: str = "127.0.0.1", timeout: float = 120.0, scan: int = 64,
-                  path: str = "/ready") -> list[int]:
+                  path: str = "/ready", ports: tuple[int, int] | None = None) -> list[int]:
     """The direct-ingress ports on `host` whose replica answers `path` with 200, once `expect` of them do.
 
-    Scans the first `scan` ports of the configured range (Serve hands them out from the bottom); raises
-    TimeoutError naming what it found if fewer than `expect` answer within `timeout` seconds.
+    Scans the first `scan` ports of the range (`ports`, else this process's environment; Serve hands them
+    out from the bottom). Another Serve instance on the same host with the same range answers there too:
+    give each instance its own range. Raises TimeoutError naming what it found if fewer than `expect`
+    answer within `timeout` seconds.
     """
-    lo, hi = port_range()
+    lo, hi = ports or port_range()
     ports = range(lo, min(hi, lo + scan - 1) + 1)
     found: list[int] = []
     deadline = time.monotonic() + timeout
