@@ -9,6 +9,8 @@ them in-process with the same results as upstream `laya` 0.4.15.
 from __future__ import annotations
 
 import logging
+import os
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +22,8 @@ from . import decode as _decode
 from .bundle import Bundle, checkpoint_hash, load_model, open_bundle
 from .questions import Question, validate_questions
 from .sequence import EncodedState, Head, Row, SequenceBuilder
+
+LIGHT_ENV = "LAYA_FLEET_FAST_LIGHT_MODEL"  # "0": the fast backend reads weights from the full transformers model
 
 log = logging.getLogger(__name__)
 
@@ -191,7 +195,8 @@ def load(path: str, device: Any = None, backend: str = "auto", cache_dir: str | 
     `Engine.warmup()` publishes what was compiled. The session is `engine.cache` (None for eager).
     """
     from . import cache as _cache
-    from .backends import ALIASES, make_backend
+    from .backends import ALIASES, BackendUnavailable, make_backend
+    from .light import load_fast_model
 
     bundle = open_bundle(path)
     dev = resolve_device(device)
@@ -203,8 +208,20 @@ def load(path: str, device: Any = None, backend: str = "auto", cache_dir: str | 
         kinds = tuple(k for k in _cache.BACKEND_KINDS[name] if dev.type == "cuda" or k == "inductor")
         ckpt = checkpoint_hash(bundle.path) if kinds else None
         session = _cache.configure(cache_dir, ckpt, dev, kinds)
-    model = load_model(bundle)
-    be = make_backend(backend, model, bundle, dev, **options)
+    # the fast backend reads weights only: its model skips transformers' modeling code (model/light.py)
+    model = load_fast_model(bundle) if name == "fast" and os.environ.get(LIGHT_ENV, "1") != "0" else None
+    if model is not None:
+        try:
+            be = make_backend("fast", model, bundle, dev, **options)
+        except BackendUnavailable as e:
+            if ALIASES.get(backend, backend) != "auto":
+                raise
+            warnings.warn("laya-fleet: fast backend unavailable (%s); using eager" % e, RuntimeWarning, stacklevel=2)
+            model = load_model(bundle)
+            be = make_backend("eager", model, bundle, dev)
+    else:
+        model = load_model(bundle)
+        be = make_backend(backend, model, bundle, dev, **options)
     log.info("loaded %s on %s with the %s backend", path, dev, be.name)
     engine = Engine(bundle, be)
     engine.cache = session
