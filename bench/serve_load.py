@@ -637,6 +637,8 @@ def main(argv: list[str] | None = None) -> int:
                                                    "p99 ms", "errors"))
     proxy_counts = [int(x) for x in str(args.proxies).split(",") if x.strip()]
     modes = [m.strip() for m in args.ingress_mode.split(",") if m.strip()]
+    if not modes or set(modes) - {"proxy", "direct"}:
+        p.error("--ingress-mode takes proxy, direct or proxy,direct (got %r)" % args.ingress_mode)
     for k in proxy_counts if not args.url else []:
         cluster = LocalCluster(k, os.path.dirname(logs)) if k > 1 else None
         address = cluster.address if cluster else None

@@ -148,22 +148,30 @@ def build_model(bundle: Bundle) -> torch.nn.Module:
     """
     from transformers import AutoModel
 
-    from .network import DecisionModel
-
     with _no_init():
         enc = AutoModel.from_config(bundle.encoder_config, attn_implementation="sdpa")
-
-    class _Config(torch.nn.Module):  # stands in for the encoder while the head is built on meta
-        def __init__(self, config):
-            super().__init__()
-            self.config = config
-
-    with torch.device("meta"):
-        model = DecisionModel(_Config(enc.config), int(bundle.cfg.get("head_layers", 2)),
-                              len(bundle.cfg.get("act_costs", {})) + 1)
-    model.to_empty(device="cpu")
+    model = build_head(bundle, enc.config)
     model.encoder = enc
     return model
+
+
+class _EncoderStandIn(torch.nn.Module):
+    """Holds the encoder config while the head is built (it reads only `encoder.config`)."""
+
+    def __init__(self, config: Any):
+        super().__init__()
+        self.config = config
+
+
+def build_head(bundle: Bundle, encoder_config: Any) -> torch.nn.Module:
+    """A DecisionModel whose head, scorer and act head are allocated empty on the CPU (built on meta: no
+    initialisation kernel, no RNG) and whose `encoder` is a parameterless stand-in holding `encoder_config`."""
+    from .network import DecisionModel
+
+    with torch.device("meta"):
+        model = DecisionModel(_EncoderStandIn(encoder_config), int(bundle.cfg.get("head_layers", 2)),
+                              len(bundle.cfg.get("act_costs", {})) + 1)
+    return model.to_empty(device="cpu")
 
 
 def load_weights(path: str) -> dict[str, torch.Tensor]:

@@ -123,8 +123,7 @@ def expected_encoder_shapes(ecfg: Any) -> dict[str, tuple[int, ...]]:
 def load_fast_model(bundle: Bundle) -> torch.nn.Module | None:
     """The DecisionModel for the fast backend with a weights-only encoder (see the module doc), or None when
     this checkpoint needs the full model. Weights are checked as strictly as `load_model` checks them."""
-    from .bundle import verify
-    from .network import DecisionModel
+    from .bundle import build_head, verify
 
     ecfg = bundle.encoder_config
     if getattr(ecfg, "model_type", None) != "modernbert":
@@ -143,15 +142,7 @@ def load_fast_model(bundle: Bundle) -> torch.nn.Module | None:
     if bad:
         raise ValueError("Model architecture mismatch for %r: %s" % (bundle.path, "; ".join(bad[:5])))
 
-    class _Config(torch.nn.Module):  # stands in for the encoder while the head is built
-        def __init__(self, config):
-            super().__init__()
-            self.config = config
-
-    with torch.device("meta"):
-        model = DecisionModel(_Config(ecfg), int(bundle.cfg.get("head_layers", 2)),
-                              len(bundle.cfg.get("act_costs", {})) + 1)
-    model.to_empty(device="cpu")
+    model = build_head(bundle, ecfg)
     verify(model, weights, bundle.path)  # the head, scorer and act head, as load_model checks them
     model.load_state_dict({k: v for k, v in weights.items() if not k.startswith(ENC)}, strict=True)
     model = model.float().eval().requires_grad_(False)

@@ -41,6 +41,27 @@ def engine(tiny_checkpoint):
 
 
 @pytest.fixture(scope="session")
+def bundle(tiny_checkpoint):
+    """The tiny checkpoint's parsed bundle (no weights loaded)."""
+    from model.bundle import open_bundle
+
+    return open_bundle(tiny_checkpoint)
+
+
+@pytest.fixture(scope="session")
+def rows(engine):
+    """Rows of 10 generated (states, questions) cases, encoded by the eager engine."""
+    from tests import cases as C
+
+    out = []
+    for states, qs in C.cases(10):
+        prep = engine.prepare(qs)
+        for enc in engine.encode_many(states, prep):
+            out += enc.rows
+    return out
+
+
+@pytest.fixture(scope="session")
 def oracle(tiny_checkpoint):
     laya = pytest.importorskip("laya")
     with warnings.catch_warnings():

@@ -14,26 +14,10 @@ import torch
 from kernels.forward import FastForward, make_backend
 from model.backends import BackendUnavailable
 from model.backends import make_backend as registry_backend
-from model.bundle import load_model, open_bundle
+from model.bundle import load_model
 from model.sequence import Row
-from tests import cases as C
 
 HAS_TILELANG = importlib.util.find_spec("tilelang") is not None
-
-
-@pytest.fixture(scope="module")
-def bundle(tiny_checkpoint):
-    return open_bundle(tiny_checkpoint)
-
-
-@pytest.fixture(scope="module")
-def rows(engine):
-    out = []
-    for states, qs in C.cases(10):
-        prep = engine.prepare(qs)
-        for enc in engine.encode_many(states, prep):
-            out += enc.rows
-    return out
 
 
 def _softmax(logits):

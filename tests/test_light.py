@@ -16,24 +16,8 @@ import model
 from kernels.forward import make_backend
 from model.bundle import load_model, open_bundle
 from model.light import expected_encoder_shapes, load_fast_model, rope_tables
-from tests import cases as C
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.fixture(scope="module")
-def bundle(tiny_checkpoint):
-    return open_bundle(tiny_checkpoint)
-
-
-@pytest.fixture(scope="module")
-def rows(engine):
-    out = []
-    for states, qs in C.cases(8):
-        prep = engine.prepare(qs)
-        for enc in engine.encode_many(states, prep):
-            out += enc.rows
-    return out
 
 
 @pytest.mark.parametrize("layers,every,norm_bias,attention_bias,mlp_bias,thetas", [
@@ -77,7 +61,7 @@ def test_model_load_fast_never_imports_transformers_modeling(tiny_checkpoint, en
         "mods = [m for m in ('transformers.modeling_utils', 'transformers.models.modernbert.modeling_modernbert',"
         " 'transformers.generation.utils', 'sklearn') if m in sys.modules]\n"
         "rows = []\n"
-        "for states, qs in C.cases(8):\n"
+        "for states, qs in C.cases(10):\n"
         "    p = e.prepare(qs)\n"
         "    for enc in e.encode_many(states, p):\n"
         "        rows += enc.rows\n"
