@@ -12,7 +12,8 @@ import json
 import logging
 import os
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -27,12 +28,31 @@ _SPECIAL = ("cls_token", "sep_token", "pad_token", "mask_token", "unk_token")
 
 @dataclass
 class Bundle:
-    """A checkpoint directory's parsed contents (config, encoder config, tokenizer)."""
+    """A checkpoint directory's parsed contents (config, encoder config, tokenizer).
+
+    `encoder_config` (transformers' config object) is built on first use: importing transformers'
+    auto classes costs seconds on some hosts (BENCHMARKS.md), and the ingress (tokenizer only) and the fast
+    backend (`light_encoder_config`) never need it.
+    """
 
     path: str
     cfg: dict
-    encoder_config: Any
+    encoder_dict: dict
     tokenizer: Any
+    _encoder_config: Any = field(default=None, repr=False, compare=False)
+
+    @property
+    def encoder_config(self) -> Any:
+        """transformers' config of the encoder (from `encoder/config.json`, with the RoPE fix-up)."""
+        if self._encoder_config is None:
+            self._encoder_config = load_encoder_config(self.path, self.cfg)
+        return self._encoder_config
+
+    def light_encoder_config(self) -> SimpleNamespace | None:
+        """The encoder config as plain attributes straight from `encoder/config.json`, without transformers, or
+        None when the file does not state every value the fast backend reads (then use `encoder_config`,
+        which fills transformers' defaults)."""
+        return light_encoder_config(self.encoder_dict)
 
     @property
     def max_len(self) -> int:
@@ -76,17 +96,54 @@ def apply_rope_config(ecfg: Any) -> None:
             setattr(ecfg, attr, float(theta))
 
 
+def read_encoder_dict(path: str) -> dict:
+    """`encoder/config.json` as a dict (never downloaded); FileNotFoundError / ValueError say what is wrong."""
+    f = os.path.join(path, "encoder", "config.json")
+    if not os.path.isfile(f):
+        raise FileNotFoundError("Incompatible model: %r has no encoder/config.json; bundles must carry "
+                                "their encoder config (nothing is downloaded)" % path)
+    with open(f, encoding="utf-8") as fh:
+        try:
+            data = json.load(fh)
+        except json.JSONDecodeError as e:
+            raise ValueError("Incompatible model: %s is not valid JSON (%s)" % (f, e)) from None
+    if not isinstance(data, dict):
+        raise ValueError("Incompatible model: %s must hold a JSON object" % f)
+    return data
+
+
 def load_encoder_config(path: str, cfg: dict) -> Any:
     """The encoder's HF config, from `encoder/` (never downloaded), with the RoPE fix-up applied."""
     from transformers import AutoConfig
 
-    enc_dir = os.path.join(path, "encoder")
-    if not os.path.isfile(os.path.join(enc_dir, "config.json")):
-        raise FileNotFoundError("Incompatible model: %r has no encoder/config.json; bundles must carry "
-                                "their encoder config (nothing is downloaded)" % path)
-    ecfg = AutoConfig.from_pretrained(enc_dir)
+    read_encoder_dict(path)  # the clear error for a missing / broken file
+    ecfg = AutoConfig.from_pretrained(os.path.join(path, "encoder"))
     apply_rope_config(ecfg)
     return ecfg
+
+
+# what the fast backend and the light model read from a ModernBERT config (model/light.py, kernels/forward.py)
+LIGHT_KEYS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size",
+              "norm_eps", "local_attention", "layer_types", "rope_parameters")
+LIGHT_OPTIONAL = {"hidden_activation": "gelu", "mlp_bias": False, "norm_bias": False, "attention_bias": False,
+                  "max_position_embeddings": 8192}  # transformers' ModernBertConfig defaults
+
+
+def light_encoder_config(data: dict) -> SimpleNamespace | None:
+    """A ModernBERT `config.json` dict as plain attributes, or None unless it states every value the fast
+    backend reads (`LIGHT_KEYS`; a few booleans / the activation default as transformers' ModernBertConfig
+    does) in transformers-5 form (`layer_types`, per-layer-type `rope_parameters`)."""
+    if data.get("model_type") != "modernbert" or any(k not in data for k in LIGHT_KEYS):
+        return None
+    types, rope = data["layer_types"], data["rope_parameters"]
+    if (not isinstance(types, list) or len(types) != int(data["num_hidden_layers"])
+            or not isinstance(rope, dict) or any(not isinstance(rope.get(t), dict) for t in set(types))):
+        return None
+    if any(rope[t].get("rope_type", "default") != "default" or "rope_theta" not in rope[t] for t in set(types)):
+        return None  # scaled RoPE: transformers' init functions need its config object
+    ns = SimpleNamespace(**{**LIGHT_OPTIONAL, **data})
+    ns.sliding_window = int(data["local_attention"]) // 2
+    return ns
 
 
 def load_tokenizer(path: str) -> Any:
@@ -126,7 +183,7 @@ def open_bundle(path: str) -> Bundle:
     if not os.path.isdir(path):
         raise FileNotFoundError("checkpoint directory %r does not exist" % path)
     cfg = read_config(path)
-    return Bundle(path, cfg, load_encoder_config(path, cfg), load_tokenizer(path))
+    return Bundle(path, cfg, read_encoder_dict(path), load_tokenizer(path))
 
 
 @contextmanager
@@ -164,14 +221,33 @@ class _EncoderStandIn(torch.nn.Module):
 
 
 def build_head(bundle: Bundle, encoder_config: Any) -> torch.nn.Module:
-    """A DecisionModel whose head, scorer and act head are allocated empty on the CPU (built on meta: no
-    initialisation kernel, no RNG) and whose `encoder` is a parameterless stand-in holding `encoder_config`."""
+    """A DecisionModel whose head, scorer and act head are allocated empty on the CPU (no initialisation
+    kernel, no RNG) and whose `encoder` is a parameterless stand-in holding `encoder_config`."""
     from .network import DecisionModel
 
-    with torch.device("meta"):
-        model = DecisionModel(_EncoderStandIn(encoder_config), int(bundle.cfg.get("head_layers", 2)),
-                              len(bundle.cfg.get("act_costs", {})) + 1)
-    return model.to_empty(device="cpu")
+    with _no_param_init():
+        return DecisionModel(_EncoderStandIn(encoder_config), int(bundle.cfg.get("head_layers", 2)),
+                             len(bundle.cfg.get("act_costs", {})) + 1)
+
+
+_INIT_FNS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_",
+             "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_", "sparse_")
+
+
+@contextmanager
+def _no_param_init():
+    """torch.nn.init's in-place initialisers as no-ops: modules built inside keep `torch.empty` memory (no
+    kernel, no RNG). Building on the meta device instead costs the first import of torch._dynamo (seconds on
+    a GPU host: the meta initialisers run through torch._refs under a dynamo-disable wrapper)."""
+    init = torch.nn.init
+    saved = {n: getattr(init, n) for n in _INIT_FNS if hasattr(init, n)}
+    try:
+        for n in saved:
+            setattr(init, n, lambda tensor, *a, **k: tensor)
+        yield
+    finally:
+        for n, fn in saved.items():
+            setattr(init, n, fn)
 
 
 def load_weights(path: str) -> dict[str, torch.Tensor]:

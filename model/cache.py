@@ -200,9 +200,10 @@ def device_arch(device: Any) -> str:
         # ATen's dispatch level (AVX512, AVX2, ...): cheap, unlike inductor's pick_vec_isa(), which
         # compiles test programs (seconds) and would be paid even by a process that only loads a package
         isa = torch.backends.cpu.get_cpu_capability() or "default"
-        from torch._inductor import config as inductor_config
-
-        threads = int(inductor_config.cpp.threads)
+        # inductor's own default is -1 (= torch's thread count); only code that imported it can have set
+        # another value, so a process that never imported it (the fast backend) need not pay the import
+        inductor_config = sys.modules.get("torch._inductor.config")
+        threads = int(inductor_config.cpp.threads) if inductor_config is not None else -1
     except Exception:
         isa, threads = "unknown", -1
     # inductor's CPU kernels specialise on the thread count: replicas with another count would miss

@@ -125,7 +125,7 @@ def load_fast_model(bundle: Bundle) -> torch.nn.Module | None:
     this checkpoint needs the full model. Weights are checked as strictly as `load_model` checks them."""
     from .bundle import build_head, verify
 
-    ecfg = bundle.encoder_config
+    ecfg = bundle.light_encoder_config() or bundle.encoder_config
     if getattr(ecfg, "model_type", None) != "modernbert":
         return None
     rope = rope_tables(ecfg)

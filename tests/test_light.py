@@ -59,7 +59,8 @@ def test_model_load_fast_never_imports_transformers_modeling(tiny_checkpoint, en
         "from tests import cases as C\n"
         "e = model.load(%r, device='cpu', backend='fast', ops='torch')\n"
         "mods = [m for m in ('transformers.modeling_utils', 'transformers.models.modernbert.modeling_modernbert',"
-        " 'transformers.generation.utils', 'sklearn') if m in sys.modules]\n"
+        " 'transformers.generation.utils', 'sklearn', 'transformers.models.auto', 'transformers.generation',"
+        " 'torch._dynamo', 'torch.distributed.tensor') if m in sys.modules]\n"
         "rows = []\n"
         "for states, qs in C.cases(10):\n"
         "    p = e.prepare(qs)\n"
@@ -76,6 +77,41 @@ def test_model_load_fast_never_imports_transformers_modeling(tiny_checkpoint, en
     lg, act = engine.score(rows)
     np.testing.assert_allclose(np.array(out["lg"]), lg, atol=2e-4, rtol=1e-4)
     np.testing.assert_allclose(np.array(out["act"]), act, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", ["tiny", "mmbert-base", "modernbert-large"])
+def test_light_encoder_config_reads_what_transformers_reads(shape, tmp_path):
+    """The plain config (no transformers import) gives the fast backend the same values as ModernBertConfig
+    for each make-checkpoint shape, and stands aside (None) where it cannot be sure."""
+    from transformers import AutoConfig, ModernBertConfig
+
+    from model.bundle import LIGHT_KEYS, LIGHT_OPTIONAL, light_encoder_config
+    from model.make_checkpoint import SHAPES
+
+    s = SHAPES[shape]
+    types = ["full_attention" if i % 3 == 0 else "sliding_attention" for i in range(s["layers"])]
+    ModernBertConfig(vocab_size=s["vocab"] or 1984, hidden_size=s["hidden"], intermediate_size=s["ff"],
+                     num_hidden_layers=s["layers"], num_attention_heads=s["heads"], layer_types=types,
+                     rope_parameters={"full_attention": {"rope_theta": 160000.0, "rope_type": "default"},
+                                      "sliding_attention": {"rope_theta": s["local_theta"], "rope_type": "default"}},
+                     ).save_pretrained(str(tmp_path))
+    with open(tmp_path / "config.json") as f:
+        data = json.load(f)
+    hf = AutoConfig.from_pretrained(str(tmp_path))
+    light = light_encoder_config(data)
+    assert light is not None
+    for k in LIGHT_KEYS + tuple(LIGHT_OPTIONAL) + ("sliding_window", "model_type"):
+        assert getattr(light, k) == getattr(hf, k), k
+    assert getattr(light, "head_dim", None) is None and "head_dim" not in data
+    assert {lt: (inv.tolist(), sc) for lt, (inv, sc) in rope_tables(light).items()} == \
+        {lt: (inv.tolist(), sc) for lt, (inv, sc) in rope_tables(hf).items()}
+    # what it leaves to transformers: older configs, scaled RoPE, another family
+    for drop in ("layer_types", "rope_parameters", "norm_eps"):
+        assert light_encoder_config({k: v for k, v in data.items() if k != drop}) is None, drop
+    scaled = json.loads(json.dumps(data))
+    scaled["rope_parameters"]["full_attention"].update(rope_type="linear", factor=2.0)
+    assert light_encoder_config(scaled) is None
+    assert light_encoder_config(dict(data, model_type="bert")) is None
 
 
 def test_incomplete_or_mismatched_checkpoints_are_refused_as_before(tiny_checkpoint, tmp_path):
