@@ -6,6 +6,8 @@ call to `tl()` points TileLang's kernel cache at `model.cache.local_dir("tilelan
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import threading
 from collections.abc import Callable
@@ -15,6 +17,7 @@ BF16 = "bfloat16"
 F32 = "float32"
 I32 = "int32"
 
+log = logging.getLogger(__name__)
 _lock = threading.RLock()
 _kernels: dict[tuple, Any] = {}
 _building: dict[tuple, threading.Lock] = {}
@@ -70,12 +73,98 @@ def is_hopper() -> bool:
     return target()["arch"].startswith("sm_90")
 
 
-def compile_func(func: Any, name: str, fast_math: bool = False) -> Any:
-    """Compile a PrimFunc under a unique, deterministic symbol `name`; returns the JITKernel."""
+def compile_func(build: Callable[[], Any] | Any, name: str, fast_math: bool = False) -> Any:
+    """Compile the PrimFunc that `build()` returns under a unique, deterministic symbol `name`; returns the
+    JITKernel. A PrimFunc may be passed instead of the builder.
+
+    On a repeat (this process or another that shares the cache dir), the kernel loads through our index
+    (`index_path`) without running `build()`: TileLang's own cache needs the PrimFunc to compute its key,
+    and building it re-runs TileLang's Python frontend (AST rewriting, seconds for a model's kernels on a
+    loaded host). The index stores TileLang's key and the PrimFunc serialised; anything unexpected falls
+    back to the normal path.
+    """
     tilelang, _ = tl()
-    func = func.with_attr("global_symbol", name)
+    tgt = target()
     cfg = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True} if fast_math else None
-    return tilelang.compile(func, target=target(), execution_backend="tvm_ffi", pass_configs=cfg)
+    index = index_path(name, tgt, fast_math)
+    kernel = _load_indexed(index, tgt, cfg)
+    if kernel is not None:
+        return kernel
+    func = build if hasattr(build, "with_attr") else build()
+    func = func.with_attr("global_symbol", name)
+    kernel = tilelang.compile(func, target=tgt, execution_backend="tvm_ffi", pass_configs=cfg)
+    _write_index(index, kernel, func)
+    return kernel
+
+
+_CODE_HASH: str | None = None
+INDEX_DIR = "laya_index"
+
+
+def _code_hash() -> str:
+    """sha256 of this package's kernel sources: a changed builder must never load an old kernel."""
+    global _CODE_HASH
+    if _CODE_HASH is None:
+        import hashlib
+
+        h = hashlib.sha256()
+        here = os.path.dirname(os.path.abspath(__file__))
+        for f in sorted(os.listdir(here)):
+            if f.endswith(".py"):
+                with open(os.path.join(here, f), "rb") as fh:
+                    h.update(f.encode() + b"\0" + fh.read())
+        _CODE_HASH = h.hexdigest()
+    return _CODE_HASH
+
+
+def index_path(name: str, tgt: dict, fast_math: bool) -> str:
+    """Where the index entry of kernel `name` lives: under TileLang's cache dir, keyed by name, target, fast
+    math, tilelang version and the kernel sources, so it travels with the kernels it points at."""
+    import hashlib
+
+    tilelang, _ = tl()
+    key = json.dumps([name, tgt, bool(fast_math), tilelang.__version__, _code_hash()], sort_keys=True)
+    root = os.environ.get("TILELANG_CACHE_DIR") or os.path.expanduser("~/.tilelang/cache")
+    return os.path.join(root, INDEX_DIR, hashlib.sha256(key.encode()).hexdigest()[:40] + ".json")
+
+
+def _load_indexed(index: str, tgt: dict, cfg: dict | None) -> Any:
+    if os.environ.get("LAYA_FLEET_TL_INDEX", "1") == "0" or not os.path.isfile(index):
+        return None
+    try:
+        import tvm
+        from tilelang.cache import _resolve_cache_dispatch
+        from tilelang.transform.pass_config import normalize_pass_configs
+
+        with open(index, encoding="utf-8") as fh:
+            entry = json.load(fh)
+        func = tvm.ir.load_json(entry["func"])
+        cache, ctx, _ = _resolve_cache_dispatch(tgt, None, "tvm_ffi", False)
+        kernel = cache._load_kernel_from_disk(entry["key"], ctx, None, normalize_pass_configs(cfg), None, func, False)
+        if kernel is None:
+            log.info("tilelang index %s: its kernel %s is not in the cache; compiling", index, entry.get("key"))
+        return kernel
+    except Exception as e:  # noqa: BLE001 - a stale or foreign entry: the normal path rebuilds it
+        log.warning("tilelang index %s unusable (%s: %s); compiling", index, type(e).__name__, e)
+        return None
+
+
+def _write_index(index: str, kernel: Any, func: Any) -> None:
+    key = getattr(kernel, "_tilelang_cache_key", None)
+    attrs = func.attrs
+    if not key or (attrs and any(a in attrs for a in ("tilelang_out_idx", "tilelang_pass_configs",
+                                                      "tilelang_compile_flags"))):
+        return  # cache disabled, or a function whose compile options the index does not record
+    try:
+        import tvm
+
+        os.makedirs(os.path.dirname(index), exist_ok=True)
+        tmp = "%s.%d.%d.tmp" % (index, os.getpid(), threading.get_ident())
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump({"key": key, "func": tvm.ir.save_json(func)}, fh)
+        os.replace(tmp, index)
+    except Exception as e:  # noqa: BLE001 - the index is an optimisation only
+        log.warning("could not write tilelang index %s: %s", index, e)
 
 
 def memo(key: tuple, build: Callable[[], Any]) -> Any:

@@ -193,7 +193,7 @@ def attention_kernel(heads: int, window: int = 0, cfg: AttnConfig = DEFAULT):
     """The compiled attention kernel for (heads, window, cfg), built once per process."""
     name = _tl.kernel_name("lf_attn", h=heads, w=window, c=cfg.tag())
     return _tl.memo(("attn", heads, window, cfg),
-                    lambda: _tl.compile_func(build_attention(heads, window, cfg), name, fast_math=True))
+                    lambda: _tl.compile_func(lambda: build_attention(heads, window, cfg), name, fast_math=True))
 
 
 def attention(qkv: torch.Tensor, cu: torch.Tensor, tiles: torch.Tensor, heads: int, window: int = 0,

@@ -90,7 +90,7 @@ def build_geglu(Fd: int, K: int, cfg: GegluConfig = LARGE):
 def geglu_kernel(Fd: int, K: int, cfg: GegluConfig = LARGE):
     """The compiled GeGLU kernel for (F, K, cfg), built once per process."""
     name = _tl.kernel_name("lf_geglu", f=Fd, k=K, c=cfg.tag())
-    return _tl.memo(("geglu", Fd, K, cfg), lambda: _tl.compile_func(build_geglu(Fd, K, cfg), name))
+    return _tl.memo(("geglu", Fd, K, cfg), lambda: _tl.compile_func(lambda: build_geglu(Fd, K, cfg), name))
 
 
 def geglu(a: torch.Tensor, wi: torch.Tensor, out: torch.Tensor | None = None,

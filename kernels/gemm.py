@@ -119,7 +119,7 @@ def gemm_kernel(N: int, K: int, bias: bool = False, act: str = "none", cfg: Gemm
     od = {torch.bfloat16: _tl.BF16, torch.float32: _tl.F32}[out_dtype]
     name = _tl.kernel_name("lf_gemm", n=N, k=K, b=int(bias), a=act, c=cfg.tag(), o=od)
     return _tl.memo(("gemm", N, K, bias, act, cfg, od),
-                    lambda: _tl.compile_func(build_gemm(N, K, bias, act, cfg, od), name))
+                    lambda: _tl.compile_func(lambda: build_gemm(N, K, bias, act, cfg, od), name))
 
 
 def gemm(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, act: str = "none",

@@ -103,7 +103,7 @@ def add_ln_kernel(D: int, mode: str = "add", bias: bool = False, eps: float = 1e
     od = _dt(out_dtype)
     name = _tl.kernel_name("lf_addln", d=D, m=mode, b=int(bias), e="%g" % eps, o=od, c=cfg.tag())
     return _tl.memo(("add_ln", D, mode, bias, float(eps), od, cfg),
-                    lambda: _tl.compile_func(build_add_ln(D, mode, bias, eps, od, cfg), name))
+                    lambda: _tl.compile_func(lambda: build_add_ln(D, mode, bias, eps, od, cfg), name))
 
 
 def add_ln(x: torch.Tensor, r: torch.Tensor | None, w: torch.Tensor, b: torch.Tensor | None, eps: float,

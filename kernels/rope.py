@@ -89,7 +89,7 @@ def build_rope(heads: int, cfg: RopeConfig = RopeConfig()):
 def rope_kernel(heads: int, cfg: RopeConfig = RopeConfig()):
     """The compiled in-place RoPE kernel for `heads` heads of 64, built once per process."""
     name = _tl.kernel_name("lf_rope", h=heads, c=cfg.tag())
-    return _tl.memo(("rope", heads, cfg), lambda: _tl.compile_func(build_rope(heads, cfg), name))
+    return _tl.memo(("rope", heads, cfg), lambda: _tl.compile_func(lambda: build_rope(heads, cfg), name))
 
 
 def rope(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> torch.Tensor:

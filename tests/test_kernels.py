@@ -4,6 +4,8 @@ tilelang, no GPU), and every TileLang kernel against its reference at awkward si
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
 
 import numpy as np
 import pytest
@@ -111,6 +113,49 @@ def test_kernels_compile_for_hopper(monkeypatch):
     at = attention.attention_kernel(2, 64)
     src = at.get_kernel_source()
     assert "wgmma" in src and "tma_load" in src
+
+
+@needs_tilelang
+def test_kernel_index_loads_the_same_kernel_without_the_frontend(monkeypatch, tmp_path):
+    """The second compile of a kernel comes from our index (kernels/_tl.py) without calling its builder, and is
+    the same kernel: same PrimFunc, params, dynamic shapes and source. A stale entry falls back to compiling."""
+    from kernels import _tl
+
+    monkeypatch.setenv("LAYA_FLEET_TL_ARCH", "sm_90a")
+    _tl.tl()
+    monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path))  # read by TileLang and the index on every access
+    calls = []
+
+    def build():
+        calls.append(1)
+        return layernorm.build_add_ln(192, "add", True, 1e-5, "bfloat16")
+
+    first = _tl.compile_func(build, "lf_test_index_ln")
+    index = _tl.index_path("lf_test_index_ln", _tl.target(), False)
+    assert calls == [1] and index.startswith(str(tmp_path)) and os.path.isfile(index)
+
+    def refuse():
+        raise AssertionError("the index hit ran the frontend")
+
+    again = _tl.compile_func(refuse, "lf_test_index_ln")
+    assert again is not first
+    assert again.prim_func.script() == first.prim_func.script()
+    assert again.get_kernel_source() == first.get_kernel_source()
+    assert [(str(p.dtype), str(p.shape)) for p in again.params] == [(str(p.dtype), str(p.shape)) for p in first.params]
+    assert str(again.adapter.dynamic_symbolic_map) == str(first.adapter.dynamic_symbolic_map)
+    # other options are other entries: fast math never loads the plain kernel
+    assert _tl.index_path("lf_test_index_ln", _tl.target(), True) != index
+    # an entry pointing at a kernel the cache no longer has, or garbage: compiled again, the index rewritten
+    with open(index) as f:
+        entry = json.load(f)
+    for bad in (dict(entry, key="0" * 64), "not json"):
+        with open(index, "w") as f:
+            f.write(bad if isinstance(bad, str) else json.dumps(bad))
+        k = _tl.compile_func(build, "lf_test_index_ln")
+        assert k.get_kernel_source() == first.get_kernel_source()
+        with open(index) as f:
+            assert json.load(f)["key"] == entry["key"]
+    assert calls == [1, 1, 1]
 
 
 # -- GPU: every kernel against its reference at awkward sizes ----------------------------------
