@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import threading
@@ -223,10 +224,27 @@ def test_aot_package_round_trips_and_answers_like_eager(builds, tiny_checkpoint,
         before = _counters()
         aot = model.load(tiny_checkpoint, device="cpu", backend="aot", cache_dir=builds.aot_shared)
         assert aot.backend_name == "aot"
+        assert aot.backend.load_check == "ok"  # first load on this node went through a child process
         assert aot.cache.seeded["aoti"].state == "hit"  # copied from the shared cache, not built
         aot.warmup()
         _compare(aot, engine, _shapes(engine.bundle.max_len), len(engine.bundle.tokenizer), seed=3)
         assert _counters() == before  # nothing was compiled in this process
+
+
+def test_a_package_that_does_not_load_is_refused_before_this_process_loads_it(builds, tmp_path):
+    from model.backends.compiled import check_package_loads
+
+    good = str(tmp_path / "good.pt2")
+    shutil.copyfile(builds.aot(), good)
+    assert check_package_loads(good) == "ok"
+    assert check_package_loads(good) == "known"  # remembered next to the package: no second child
+    assert os.path.isfile(good + ".loadable")
+    bad = str(tmp_path / "bad.pt2")
+    with open(good, "rb") as src, open(bad, "wb") as dst:
+        dst.write(src.read()[: os.path.getsize(good) // 3])  # a truncated copy
+    with pytest.raises(BackendUnavailable, match="bad.pt2 does not load"):
+        check_package_loads(bad)
+    assert not os.path.exists(bad + ".loadable")
 
 
 def test_aot_without_a_package_names_the_build_command(tiny_checkpoint, tmp_path):

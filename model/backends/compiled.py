@@ -350,15 +350,77 @@ class AotBackend(_Padded):
     def __init__(self, package: str, bundle: Any, device: torch.device):
         super().__init__(bundle, device)
         t = time.perf_counter()
-        kw = {"device_index": device.index if device.index is not None else torch.cuda.current_device()} \
-            if device.type == "cuda" else {}
+        index = (device.index if device.index is not None else torch.cuda.current_device()) \
+            if device.type == "cuda" else -1
         self.package = package
-        self.runner = torch._inductor.aoti_load_package(package, **kw)
+        self.load_check = check_package_loads(package, index)
+        self.runner = torch._inductor.aoti_load_package(package, **({"device_index": index} if index >= 0 else {}))
         self.load_s = time.perf_counter() - t
 
     def _run(self, b: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         out = self.runner(b["input_ids"], b["attention_mask"], b["marker_pos"], b["marker_mask"], b["qtype"])
         return out[0], out[1]
+
+
+LOAD_CHECK_ENV = "LAYA_FLEET_AOT_LOAD_CHECK"
+
+
+def check_package_loads(package: str, device_index: int = -1, timeout_s: float = 600.0) -> str:
+    """Load `package` once in a child process before this process does; returns "ok", "known" or "skipped".
+
+    torch's AOTI runtime loads a package in native code, and a runtime that cannot load it here may crash the
+    process instead of raising (torch 2.11 on the H200 host: SIGSEGV in `aoti_load_package` for any package,
+    even two Linear layers; bench/aot_probe.py). A serving replica must not die that way, so the first load of
+    a package on a node happens in a child: a crash or an error there raises BackendUnavailable naming the
+    package and the signal, and a success is remembered next to the package (`<package>.loadable`, keyed by
+    torch version and device) so later starts skip the child. `LAYA_FLEET_AOT_LOAD_CHECK=0` skips the check.
+    """
+    import json
+    import signal
+    import subprocess
+    import sys
+
+    if os.environ.get(LOAD_CHECK_ENV, "1") == "0":
+        return "skipped"
+    device = torch.cuda.get_device_name(device_index) if device_index >= 0 else "cpu"
+    stamp = {"torch": torch.__version__, "device": device, "size": os.path.getsize(package)}
+    marker = package + ".loadable"
+    try:
+        with open(marker, encoding="utf-8") as fh:
+            if json.load(fh) == stamp:
+                return "known"
+    except (OSError, ValueError):
+        pass
+    code = ("import sys, torch\n"
+            "i = int(sys.argv[2])\n"
+            "torch._inductor.aoti_load_package(sys.argv[1], **({'device_index': i} if i >= 0 else {}))\n")
+    try:
+        r = subprocess.run([sys.executable, "-c", code, package, str(device_index)], capture_output=True, text=True,
+                           timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise BackendUnavailable("loading the AOTInductor package %s took over %.0fs in a test process; not loading "
+                                 "it here" % (package, timeout_s)) from None
+    if r.returncode < 0:
+        try:
+            sig = signal.Signals(-r.returncode).name
+        except ValueError:
+            sig = "signal %d" % -r.returncode
+        raise BackendUnavailable(
+            "loading the AOTInductor package %s crashed a test process (%s) on %s with torch %s: this torch build's "
+            "AOTI runtime cannot load packages here (use backend='fast' or 'compile')" % (package, sig, device,
+                                                                                        torch.__version__))
+    if r.returncode != 0:
+        tail = (r.stderr.strip().splitlines() or ["no output"])[-1][:300]
+        raise BackendUnavailable("the AOTInductor package %s does not load (exit %d): %s" % (package, r.returncode,
+                                                                                            tail))
+    try:
+        tmp = "%s.%d.tmp" % (marker, os.getpid())
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump(stamp, fh)
+        os.replace(tmp, marker)
+    except OSError as e:  # a read-only package dir: check again next time
+        log.info("could not record that %s loads: %s", package, e)
+    return "ok"
 
 
 def make_aot_backend(model: torch.nn.Module, bundle: Any, device: torch.device, **options: Any) -> AotBackend:
@@ -420,5 +482,5 @@ def build_in_subprocess(checkpoint: str, cache_dir: str | None, device: torch.de
 
 
 __all__ = ["CompileBackend", "AotBackend", "make_compile_backend", "make_aot_backend", "build_aot_package",
-           "build_in_subprocess",
+           "build_in_subprocess", "check_package_loads",
            "export_model", "padded_batch", "aot_key", "bf16_copy", "local_package_path"]
