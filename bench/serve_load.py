@@ -262,8 +262,9 @@ class UpstreamServer(Server):
 
 def fleet_config(checkpoint: str, backend: str, device: str, port: int, replicas: int, ingress_replicas: int,
                  max_batch_tokens: int | None, gpus: int, inflight: int | None = None,
-                 gil_switch_interval_s: float | None = None) -> dict:
-    """configs/local.yaml pointed at `checkpoint`, with one GPU per scorer replica when `gpus` > 0."""
+                 gil_switch_interval_s: float | None = None, gpus_per_replica: float = 1.0) -> dict:
+    """configs/local.yaml pointed at `checkpoint`, with `gpus_per_replica` GPUs per scorer replica (one by default)
+    when `gpus` > 0."""
     with open(os.path.join(REPO, "configs", "local.yaml"), encoding="utf-8") as fh:
         cfg = yaml.safe_load(fh)
     cfg["http_options"]["port"] = port
@@ -271,7 +272,7 @@ def fleet_config(checkpoint: str, backend: str, device: str, port: int, replicas
     args = app["args"]
     args.update(checkpoint=os.path.abspath(checkpoint), backend=backend, device=device)
     if gpus:
-        args["scorer"] = {"num_gpus": 1, "num_cpus": 2}
+        args["scorer"] = {"num_gpus": gpus_per_replica, "num_cpus": 2}
         args["ingress"] = {"num_cpus": 1, "cpu_threads": 2}
     if inflight:
         args.setdefault("ingress", {})["max_inflight_calls"] = inflight
@@ -305,14 +306,15 @@ def floor_config(port: int, ingress_replicas: int) -> dict:
 # -- load ---------------------------------------------------------------------------------------------
 
 async def _clients(url: str | list[str], bodies: list[bytes], clients: int, t_measure: float, t_end: float,
-                   headers: dict | None, timeout: float) -> list[tuple[float, int, float]]:
-    """`clients` closed loops until `t_end`; (done time, status, latency s) of requests started after `t_measure`.
+                   headers: dict | None, timeout: float) -> list[tuple[float, int, float, float]]:
+    """`clients` closed loops until `t_end`; (done time, status, latency s, scorer-call s or nan) of requests started
+    after `t_measure`.
 
     A list of URLs (direct-ingress replicas) is spread over the clients, client k on URL k mod n."""
     import aiohttp
 
     urls = url if isinstance(url, list) else [url]
-    records: list[tuple[float, int, float]] = []
+    records: list[tuple[float, int, float, float]] = []
     counter = iter(range(10 ** 12))
     hdrs = dict(headers or {}, **{"Content-Type": "application/json"})
 
@@ -322,15 +324,18 @@ async def _clients(url: str | list[str], bodies: list[bytes], clients: int, t_me
         while time.monotonic() < t_end:
             body = bodies[(next(counter) + i) % len(bodies)]
             t = time.monotonic()
+            infer = float("nan")
             try:
                 async with session.post(url, data=body, headers=hdrs) as r:
                     await r.read()
                     status = r.status
+                    if "X-Inference-Time-Ms" in r.headers:  # laya-fleet: the ingress's wait for its scorer call
+                        infer = float(r.headers["X-Inference-Time-Ms"]) / 1000.0
             except (aiohttp.ClientError, asyncio.TimeoutError):
                 status = -1
             done = time.monotonic()
             if t >= t_measure:
-                records.append((done, status, done - t))
+                records.append((done, status, done - t, infer))
 
     conn = aiohttp.TCPConnector(limit=clients, limit_per_host=clients)
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=timeout)) as session:
@@ -338,7 +343,7 @@ async def _clients(url: str | list[str], bodies: list[bytes], clients: int, t_me
     return records
 
 
-def _client_proc(job: tuple) -> list[tuple[float, int, float]]:
+def _client_proc(job: tuple) -> list[tuple[float, int, float, float]]:
     """One client process of a multi-process level: waits for the shared start time, then runs its loops."""
     url, bodies, clients, t_start, warmup, duration, headers, timeout = job
     time.sleep(max(0.0, t_start - time.monotonic()))
@@ -432,18 +437,27 @@ def cpu_share(pids: dict[str, list[int]], before: dict[int, float], after: dict[
     return out
 
 
-def summarize(records: list[tuple[float, int, float]], span_s: float, clients: int) -> dict:
+def summarize(records: list[tuple], span_s: float, clients: int) -> dict:
     """Request count, errors by status, requests/s and latency percentiles (ms) of successful requests."""
-    ok = [lat for _, s, lat in records if s == 200]
+    ok = [r[2] for r in records if r[1] == 200]
     errors: dict[str, int] = {}
-    for _, s, _ in records:
-        if s != 200:
-            errors[str(s)] = errors.get(str(s), 0) + 1
+    for r in records:
+        if r[1] != 200:
+            errors[str(r[1])] = errors.get(str(r[1]), 0) + 1
     lat = np.array(ok) * 1000.0 if ok else np.zeros(1)
-    return {"clients": clients, "requests": len(records), "ok": len(ok), "errors": errors,
-            "rps": round(len(ok) / span_s, 2), "p50_ms": round(float(np.percentile(lat, 50)), 2),
-            "p90_ms": round(float(np.percentile(lat, 90)), 2), "p99_ms": round(float(np.percentile(lat, 99)), 2),
-            "mean_ms": round(float(lat.mean()), 2), "seconds": round(span_s, 2)}
+    out = {"clients": clients, "requests": len(records), "ok": len(ok), "errors": errors,
+           "rps": round(len(ok) / span_s, 2), "p50_ms": round(float(np.percentile(lat, 50)), 2),
+           "p90_ms": round(float(np.percentile(lat, 90)), 2), "p99_ms": round(float(np.percentile(lat, 99)), 2),
+           "mean_ms": round(float(lat.mean()), 2), "seconds": round(span_s, 2)}
+    # where a request's time went (laya-fleet only): inside the ingress's scorer call (coalescing wait, the
+    # handle round trip, the scorer's queue and forward) against everything outside it (client, HTTP, ingress)
+    split = np.array([(r[3], r[2] - r[3]) for r in records if r[1] == 200 and len(r) > 3 and r[3] == r[3]])
+    if len(split):
+        out["scorer_call_ms"] = {"mean": round(1000.0 * float(split[:, 0].mean()), 2),
+                                 "p50": round(1000.0 * float(np.percentile(split[:, 0], 50)), 2)}
+        out["outside_call_ms"] = {"mean": round(1000.0 * float(split[:, 1].mean()), 2),
+                                  "p50": round(1000.0 * float(np.percentile(split[:, 1], 50)), 2)}
+    return out
 
 
 def sample_answers(url: str, payloads: list[dict], headers: dict | None = None) -> list[dict]:
@@ -496,9 +510,12 @@ def batching_delta(before: dict | None, after: dict | None, seconds: float) -> d
     batches = after["batches"] - before["batches"]
     reqs = after["requests"] - before["requests"]
     fwd = after.get("forward_s", 0.0) - before.get("forward_s", 0.0)
+    waited = (after.get("mean_queue_wait_ms", 0.0) * after["requests"]
+              - before.get("mean_queue_wait_ms", 0.0) * before["requests"])
     return {"batches": batches, "requests": reqs, "requests_per_batch": round(reqs / max(1, batches), 2),
             "forward_ms_per_batch": round(1000.0 * fwd / max(1, batches), 3),
-            "forward_busy": round(fwd / max(seconds, 1e-9), 3)}
+            "forward_busy": round(fwd / max(seconds, 1e-9), 3),
+            "queue_wait_ms": round(waited / max(1, reqs), 3)}
 
 
 def run_server(server: Server, payloads: list[dict], levels: list[int], duration: float, warmup: float,
@@ -532,8 +549,10 @@ def print_row(name: str, r: dict) -> None:
     cpu = " ".join("%s=%.2f" % kv for kv in r.get("cpu_cores", {}).items())
     sc = r.get("scorer")
     if sc:
-        cpu += "  batch: %.1f req, forward %.2f ms, busy %.0f%%" % (
-            sc["requests_per_batch"], sc["forward_ms_per_batch"], 100 * sc["forward_busy"])
+        cpu += "  batch: %.1f req, forward %.2f ms, busy %.0f%%, queue %.1f ms" % (
+            sc["requests_per_batch"], sc["forward_ms_per_batch"], 100 * sc["forward_busy"], sc["queue_wait_ms"])
+    if "scorer_call_ms" in r:
+        cpu += "  call/outside p50 %.1f/%.1f ms" % (r["scorer_call_ms"]["p50"], r["outside_call_ms"]["p50"])
     print("%-20s %7d %8d %9.1f %9.1f %9.1f %9.1f  %s  %s" % (name, r["clients"], r["requests"], r["rps"], r["p50_ms"],
                                                               r["p90_ms"], r["p99_ms"], err, cpu), flush=True)
 
@@ -586,6 +605,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backend", default="auto")
     p.add_argument("--device", default="auto")
     p.add_argument("--replicas", type=int, default=1, help="scorer replicas (one GPU each when CUDA is visible)")
+    p.add_argument("--gpus-per-replica", type=float, default=1.0,
+                   help="scorer ray_actor_options.num_gpus (0.5: two scorer replicas share one GPU)")
     p.add_argument("--ingress-replicas", type=int, default=None, help="default: 1 below 8 cores, else cores / 4")
     p.add_argument("--ingress-inflight", type=int, default=None,
                    help="scorer calls outstanding per ingress replica (default: the app's, 4)")
@@ -662,7 +683,7 @@ def main(argv: list[str] | None = None) -> int:
                 if args.skip_forward:
                     cfg = fleet_config(args.checkpoint, args.backend, args.device, free_port(), args.replicas,
                                        ingress, args.max_batch_tokens, gpus, args.ingress_inflight,
-                                       args.gil_switch_interval)
+                                       args.gil_switch_interval, args.gpus_per_replica)
                     cfg["proxy_location"] = "EveryNode"
                     cfg["applications"][0]["args"]["backend_wrapper"] = "bench.serve_floor_app:SkipForward"
                     with FleetServer(cfg, logs + ".skip%s.log" % tag, address=address, direct=direct) as srv:
@@ -672,7 +693,7 @@ def main(argv: list[str] | None = None) -> int:
                 if not args.upstream_only:
                     cfg = fleet_config(args.checkpoint, args.backend, args.device, free_port(), args.replicas,
                                        ingress, args.max_batch_tokens, gpus, args.ingress_inflight,
-                                       args.gil_switch_interval)
+                                       args.gil_switch_interval, args.gpus_per_replica)
                     cfg["proxy_location"] = "EveryNode"
                     with FleetServer(cfg, logs + ".fleet%s.log" % tag, address=address, direct=direct) as srv:
                         srv.name = "laya-fleet" + suffix
@@ -696,7 +717,8 @@ def main(argv: list[str] | None = None) -> int:
             results[srv.name] = run_server(srv, payloads, levels, args.duration, args.warmup, None, procs)
     out: dict[str, Any] = {"env": environment(args.checkpoint, args.backend),
                            "settings": {"levels": levels, "duration_s": args.duration, "warmup_s": args.warmup,
-                                        "replicas": args.replicas, "ingress_replicas": ingress,
+                                        "replicas": args.replicas, "gpus_per_replica": args.gpus_per_replica,
+                                        "ingress_replicas": ingress,
                                         "ingress_inflight": args.ingress_inflight, "client_procs": procs,
                                         "proxies": args.proxies, "ingress_mode": args.ingress_mode,
                                         "gil_switch_interval_s": args.gil_switch_interval,

@@ -424,6 +424,8 @@ def main(argv=None) -> int:
         if "ready_s" not in cold:
             continue
         extra = {"peak": [32, peak_tokens], "peak_eager": True} if (item == "compile" and "peak" in order) else {}
+        if item == "fast":  # the warm fast row loads kernels through the index (kernels/_tl.py): check answers too
+            extra.update(acc)
         add(run_row(args, "%s warm" % item, item, "warm", shared, d(item, "node2"), row_deadline(), **extra))
     if background is not None:
         add(finish_row(background))
