@@ -24,6 +24,7 @@ from .questions import Question, validate_questions
 from .sequence import EncodedState, Head, Row, SequenceBuilder
 
 LIGHT_ENV = "LAYA_FLEET_FAST_LIGHT_MODEL"  # "0": the fast backend reads weights from the full transformers model
+NATIVE_ENV = "LAYA_FLEET_COMPILE_NATIVE"  # "0": the compile backend compiles transformers' ModernBertModel
 
 log = logging.getLogger(__name__)
 
@@ -220,7 +221,13 @@ def load(path: str, device: Any = None, backend: str = "auto", cache_dir: str | 
             model = load_model(bundle)
             be = make_backend("eager", model, bundle, dev)
     else:
-        model = load_model(bundle)
+        model = None
+        if name == "compile" and os.environ.get(NATIVE_ENV, "1") != "0":
+            from .native import load_native_model  # plain-torch ModernBERT: nothing of transformers to import
+
+            model = load_native_model(bundle)
+        if model is None:
+            model = load_model(bundle)
         be = make_backend(backend, model, bundle, dev, **options)
     log.info("loaded %s on %s with the %s backend", path, dev, be.name)
     engine = Engine(bundle, be)

@@ -1,0 +1,166 @@
+"""A ModernBERT encoder in plain torch, for the `compile` backend: no transformers import, no guards torch
+cannot serialise.
+
+transformers' `ModernBertModel` is the reference (the eager backend and the upstream oracle run it). For the
+`compile` backend it costs two things on a warm start: importing transformers' modeling code (seconds on the
+GPU host: auto classes -> generation -> scikit-learn, distributed -> torch.distributed.tensor) and dynamo
+re-tracing its Python (mask utilities, kwargs plumbing, decorators whose guards are object-identity checks).
+This module computes the same function from the same tensors (`encoder.*` names and shapes unchanged, so the
+checkpoint loads strictly): embeddings + LayerNorm, pre-norm layers with RoPE attention (full on global
+layers, |i - j| <= local_attention / 2 on local layers) and a GeGLU MLP, final LayerNorm. The precision
+steps follow transformers' (RoPE applied in fp32 and cast back, SDPA on the projections' dtype), so under
+bf16 autocast it rounds where the reference rounds. tests/test_native.py checks it against
+`ModernBertModel` for several layouts, biases, RoPE thetas, paddings and lengths past the window.
+
+`load_native_model` returns None where the checkpoint is not one it can describe (see
+`Bundle.light_encoder_config`): the caller then uses the transformers model.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .bundle import Bundle, load_weights
+
+log = logging.getLogger(__name__)
+
+ENC = "encoder."
+
+
+class EncoderOutput(NamedTuple):
+    last_hidden_state: torch.Tensor
+
+
+def _norm(d: int, eps: float, bias: bool) -> nn.LayerNorm:
+    return nn.LayerNorm(d, eps=eps, bias=bias)
+
+
+class _Embeddings(nn.Module):
+    def __init__(self, cfg: Any):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(int(cfg.vocab_size), int(cfg.hidden_size))
+        self.norm = _norm(int(cfg.hidden_size), float(cfg.norm_eps), bool(cfg.norm_bias))
+
+
+class _Attention(nn.Module):
+    def __init__(self, cfg: Any):
+        super().__init__()
+        d = int(cfg.hidden_size)
+        self.heads = int(cfg.num_attention_heads)
+        self.head_dim = d // self.heads
+        self.Wqkv = nn.Linear(d, 3 * d, bias=bool(cfg.attention_bias))
+        self.Wo = nn.Linear(d, d, bias=bool(cfg.attention_bias))
+
+
+class _MLP(nn.Module):
+    def __init__(self, cfg: Any):
+        super().__init__()
+        d, inter = int(cfg.hidden_size), int(cfg.intermediate_size)
+        self.Wi = nn.Linear(d, 2 * inter, bias=bool(cfg.mlp_bias))
+        self.Wo = nn.Linear(inter, d, bias=bool(cfg.mlp_bias))
+
+
+class _Layer(nn.Module):
+    def __init__(self, cfg: Any, first: bool):
+        super().__init__()
+        d, eps, b = int(cfg.hidden_size), float(cfg.norm_eps), bool(cfg.norm_bias)
+        self.attn_norm = nn.Identity() if first else _norm(d, eps, b)  # layer 0: identity, as in ModernBERT
+        self.attn = _Attention(cfg)
+        self.mlp_norm = _norm(d, eps, b)
+        self.mlp = _MLP(cfg)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class NativeModernBert(nn.Module):
+    """`encoder(input_ids, attention_mask).last_hidden_state` with ModernBERT's parameters and arithmetic."""
+
+    def __init__(self, cfg: Any):
+        super().__init__()
+        from .light import _layer_types, rope_tables
+
+        self.config = cfg
+        if getattr(cfg, "hidden_activation", "gelu") != "gelu":
+            raise ValueError("native ModernBERT implements exact GELU, got %r" % cfg.hidden_activation)
+        self.embeddings = _Embeddings(cfg)
+        self.layers = nn.ModuleList(_Layer(cfg, i == 0) for i in range(int(cfg.num_hidden_layers)))
+        self.final_norm = _norm(int(cfg.hidden_size), float(cfg.norm_eps), bool(cfg.norm_bias))
+        self.layer_types = list(_layer_types(cfg))
+        self.window = int(getattr(cfg, "sliding_window", None) or int(cfg.local_attention) // 2)
+        tables = rope_tables(cfg)
+        if tables is None:
+            raise ValueError("native ModernBERT needs per-layer-type rope_parameters in the config")
+        self.rope_types = sorted(tables)
+        self.rope_scaling = [float(tables[t][1]) for t in self.rope_types]
+        for t in self.rope_types:
+            self.register_buffer("%s_inv_freq" % t, tables[t][0].float(), persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> EncoderOutput:
+        L = input_ids.shape[1]
+        emb = self.embeddings
+        h = emb.norm(emb.tok_embeddings(input_ids))
+        keep = attention_mask.bool()
+        pos = torch.arange(L, device=input_ids.device)
+        # boolean SDPA masks broadcast over heads: keys only on global layers; the window on local layers,
+        # where a padding query (no key in its window may be real) attends everywhere, so it stays finite
+        full = keep[:, None, None, :]
+        near = (pos[None, :] - pos[:, None]).abs() <= self.window
+        local = (near[None, None] & full) | ~keep[:, None, :, None]
+        rope = {}
+        for t, scale in zip(self.rope_types, self.rope_scaling):
+            freqs = pos[:, None].float() * getattr(self, "%s_inv_freq" % t)[None, :]
+            e = torch.cat((freqs, freqs), dim=-1)
+            rope[t] = ((e.cos() * scale).to(h.dtype), (e.sin() * scale).to(h.dtype))
+        for layer, lt in zip(self.layers, self.layer_types):
+            h = h + self._attention(layer.attn, layer.attn_norm(h), rope[lt], full if lt == "full_attention" else local)
+            x = layer.mlp_norm(h)
+            a, gate = layer.mlp.Wi(x).chunk(2, dim=-1)
+            h = h + layer.mlp.Wo(F.gelu(a) * gate)
+        return EncoderOutput(self.final_norm(h))
+
+    @staticmethod
+    def _attention(attn: _Attention, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                   mask: torch.Tensor) -> torch.Tensor:
+        B, L, _ = x.shape
+        q, k, v = attn.Wqkv(x).view(B, L, 3, attn.heads, attn.head_dim).unbind(dim=2)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        cos, sin = rope[0][None, None], rope[1][None, None]
+        dt = q.dtype
+        q = ((q.float() * cos) + (_rotate_half(q.float()) * sin)).to(dt)
+        k = ((k.float() * cos) + (_rotate_half(k.float()) * sin)).to(dt)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.head_dim ** -0.5)
+        return attn.Wo(o.transpose(1, 2).reshape(B, L, -1))
+
+
+def load_native_model(bundle: Bundle) -> torch.nn.Module | None:
+    """The DecisionModel with a `NativeModernBert` encoder, weights loaded strictly, or None when the checkpoint
+    is not a ModernBERT this module can describe (then use `bundle.load_model`)."""
+    from .bundle import _no_param_init, build_head, verify
+
+    ecfg = bundle.light_encoder_config()
+    if ecfg is None:
+        return None
+    weights = load_weights(bundle.path)
+    with _no_param_init():
+        enc = NativeModernBert(ecfg)
+    model = build_head(bundle, ecfg)
+    model.encoder = enc
+    verify(model, weights, bundle.path)
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    buffers = {n for n, _ in model.named_buffers() if n.startswith(ENC)}
+    missing = [m for m in missing if m not in buffers]
+    if missing or unexpected:
+        raise ValueError("Model architecture mismatch for %r: missing %s, unexpected %s"
+                         % (bundle.path, missing[:5], unexpected[:5]))
+    return model.float().eval().requires_grad_(False)
+
+
+__all__ = ["NativeModernBert", "EncoderOutput", "load_native_model"]
