@@ -144,6 +144,21 @@ class _Padded(abc.ABC):
 
 
 # -- torch.compile ----------------------------------------------------------------------------------
+PRECOMPILE_ENV = "LAYA_FLEET_COMPILE_PRECOMPILE"
+
+
+class _AlignedGraph(torch.nn.Module):
+    """The compiled graph's module for precompile (module level: torch pickles a reference to it): tokens arrive
+    as [rows, tokens/16, 16] views, as in `CompileBackend._graph_aligned`."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids3, att3, mpos, mmask, qtype):
+        return self.model(ids3.flatten(1), att3.flatten(1), mpos, mmask, qtype)
+
+
 class CompileBackend(_Padded):
     """torch.compile over the whole DecisionModel with dynamic rows, tokens (x16) and markers."""
 
@@ -151,8 +166,12 @@ class CompileBackend(_Padded):
 
     def __init__(self, model: torch.nn.Module, bundle: Any, device: torch.device, align: bool = True,
                  mode: str | None = None, dtype: torch.dtype | str | None = None, fullgraph: bool = True,
-                 single_row_graph: bool = False):
+                 single_row_graph: bool = False, precompile: bool | None = None):
         super().__init__(bundle, device)
+        self.precompile = (os.environ.get(PRECOMPILE_ENV, "1") != "0") if precompile is None else bool(precompile)
+        self.precompile_state = "off"
+        self.precompile_misses = 0  # batches the precompiled graph's guards refused (served by tracing)
+        self._pre: Any = None  # the precompiled graph (torch.compile'd _AlignedGraph with a loaded AOT forward)
         # A batch of one row runs in the batch graph, padded to two rows (a size-1 axis would be specialised
         # into a graph of its own): one graph to compile cold and to re-trace warm instead of two. A second
         # row costs nothing measurable at that size; single_row_graph=True keeps the separate graph.
@@ -209,6 +228,21 @@ class CompileBackend(_Padded):
         return args
 
     def _run(self, b: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._pre is not None:
+            n = b["input_ids"].shape[0]
+            args = (b["input_ids"].view(n, -1, ALIGN), b["attention_mask"].view(n, -1, ALIGN), b["marker_pos"],
+                    b["marker_mask"], b["qtype"])
+            try:
+                return self._call(args, self._pre)
+            except RuntimeError as e:
+                if "GuardManager check failed" not in str(e):
+                    raise
+                # a shape outside what the saved graph was specialised for (inductor may bound rows on CUDA):
+                # the traced path serves it (its graph comes from the FX cache or is compiled once)
+                self.precompile_misses += 1
+                if self.precompile_misses == 1:
+                    log.warning("compile backend: the precompiled graph's guards refused a batch of %s (%s); "
+                                "such batches are traced", tuple(args[0].shape), str(e).splitlines()[0][:200])
         try:
             return self._call(self._args(b))
         except Exception as e:
@@ -230,6 +264,7 @@ class CompileBackend(_Padded):
         """Build the batch and single-row graphs (on CUDA also a many-rows batch, in case inductor bounded
         rows for a grid limit); returns seconds spent."""
         t = time.perf_counter()
+        self._setup_precompiled()
         super().warmup(max_batch_tokens)
         if self.device.type == "cuda":
             n, tokens, markers = WARMUP_MANY_ROWS
@@ -238,20 +273,90 @@ class CompileBackend(_Padded):
         self.warmup_s = time.perf_counter() - t
         return self.warmup_s
 
-    def _call(self, args):
+    def _call(self, args, fn=None):
         from torch._inductor import config as inductor_config
 
+        fn = self._compiled if fn is None else fn
         with torch.fx.experimental._config.patch(use_duck_shape=False), inductor_config.patch(INDUCTOR_CONFIG):
-            if self.autocast is not None:
-                with torch.autocast(self.device.type, dtype=self.autocast):
-                    return self._compiled(*args)
-            return self._compiled(*args)
+            with self._autocast():
+                return fn(*args)
+
+    def _autocast(self):
+        import contextlib
+
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast)
+
+    # -- precompile: the traced graph and its guards saved, so a warm start does not re-trace ------------------
+    def precompile_path(self) -> str | None:
+        """Where this model's precompiled graph lives: inside the node-local inductor dir (so it is published to
+        and seeded from the shared cache with the FX graphs, under the same checkpoint / version / arch key),
+        named by the options that change the graph. None where precompile does not apply."""
+        import hashlib
+        import json
+
+        from ..native import NativeModernBert
+
+        root = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+        if (not self.precompile or not self.align or not self.fullgraph or self.mode is not None or not root
+                or not isinstance(getattr(self.model, "encoder", None), NativeModernBert)):
+            return None  # transformers' module cannot be precompiled: its guards are object-identity checks
+        try:
+            from torch._dynamo.aot_compile import ModelInput  # noqa: F401 - experimental, torch >= 2.10 or so
+        except ImportError:
+            return None
+        key = json.dumps([torch.__version__, self.device.type, str(self.autocast), str(self._param_dtype()),
+                          self.min_rows, self.t_max, self.k_max, MIN_TOKENS, MIN_MARKERS, INDUCTOR_CONFIG])
+        return os.path.join(root, "laya_precompiled", hashlib.sha256(key.encode()).hexdigest()[:32] + ".bin")
+
+    def _param_dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    def _setup_precompiled(self) -> None:
+        """Load this model's precompiled graph, or build and save it; on any failure the traced path serves."""
+        path = self.precompile_path()
+        if path is None or self._pre is not None:
+            return
+        from torch._inductor import config as inductor_config
+
+        graph = torch.compile(_AlignedGraph(self.model), fullgraph=True, dynamic=False)
+        t = time.perf_counter()
+        try:
+            with torch._dynamo.config.patch(enable_aot_compile=True), torch.no_grad():
+                if os.path.isfile(path):
+                    with open(path, "rb") as fh:
+                        graph._load_aot_compiled_module(fh.read())
+                    self.precompile_state = "loaded"
+                else:
+                    from torch._dynamo.aot_compile import ModelInput
+
+                    n, tokens, markers = WARMUP_SHAPES[0]
+                    b, _ = padded_batch(_synthetic_rows(n, min(tokens, self.max_tokens_per_row), markers,
+                                                        self.fill_id), self.pad_id, self.min_rows)
+                    args = self._args({k: v.to(self.device) for k, v in b.items()})
+                    with torch.fx.experimental._config.patch(use_duck_shape=False), \
+                            inductor_config.patch(INDUCTOR_CONFIG):
+                        graph._aot_compile([ModelInput(args, {}, [self._autocast()])])
+                    os.makedirs(os.path.dirname(path), exist_ok=True)
+                    tmp = "%s.%d.tmp" % (path, os.getpid())
+                    graph._save_aot_compiled_module(tmp)
+                    os.replace(tmp, path)
+                    self.precompile_state = "built"
+        except Exception as e:  # noqa: BLE001 - experimental torch API: the traced path still works
+            log.warning("compile backend: precompile unavailable (%s: %s); tracing instead", type(e).__name__,
+                        str(e).splitlines()[0][:200] if str(e) else "")
+            self.precompile_state = "failed: %s" % type(e).__name__
+            return
+        self._pre = graph
+        log.info("compile backend: precompiled graph %s in %.1fs (%s)", self.precompile_state,
+                 time.perf_counter() - t, path)
 
 
 def make_compile_backend(model: torch.nn.Module, bundle: Any, device: torch.device, **options: Any) -> CompileBackend:
     """The `compile` backend (options: align=True, mode=None, dtype=None|"bf16", fullgraph=True,
-    single_row_graph=False)."""
-    known = {"align", "mode", "dtype", "fullgraph", "single_row_graph"}
+    single_row_graph=False, precompile=None: $LAYA_FLEET_COMPILE_PRECOMPILE, default on)."""
+    known = {"align", "mode", "dtype", "fullgraph", "single_row_graph", "precompile"}
     return CompileBackend(model, bundle, device, **{k: v for k, v in options.items() if k in known})
 
 
