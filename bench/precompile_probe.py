@@ -12,7 +12,8 @@ it works on the CPU (tiny: load 2.3 s, then 5 x 200, 2 x 48 and 64 x 512 batches
 This script runs the two halves in two child processes (save, then load in a fresh process) on the chosen
 device, under bf16 autocast on CUDA as the backend runs, and prints a table: whether each step worked, its
 seconds, the compile counters of the loading process (should be empty) and the max |diff| against the eager
-model. Not wired into the backend yet: run it on the GPU host first (torch 2.11 may lack or differ in this API).
+model. The compile backend uses the same API (`CompileBackend._setup_precompiled`, falling back to tracing on
+any failure); this probe isolates it, so a torch build where it fails shows why.
 
     python3 bench/precompile_probe.py --checkpoint DIR [--device cuda] [--out-dir DIR]
 """
