@@ -11,6 +11,7 @@ import hashlib
 import json
 import logging
 import os
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -230,6 +231,7 @@ def build_head(bundle: Bundle, encoder_config: Any) -> torch.nn.Module:
                              len(bundle.cfg.get("act_costs", {})) + 1)
 
 
+_INIT_LOCK = threading.Lock()
 _INIT_FNS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_",
              "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_", "sparse_")
 
@@ -240,14 +242,15 @@ def _no_param_init():
     kernel, no RNG). Building on the meta device instead costs the first import of torch._dynamo (seconds on
     a GPU host: the meta initialisers run through torch._refs under a dynamo-disable wrapper)."""
     init = torch.nn.init
-    saved = {n: getattr(init, n) for n in _INIT_FNS if hasattr(init, n)}
-    try:
-        for n in saved:
-            setattr(init, n, lambda tensor, *a, **k: tensor)
-        yield
-    finally:
-        for n, fn in saved.items():
-            setattr(init, n, fn)
+    with _INIT_LOCK:  # process-wide, like transformers' no_init_weights: our own builders take turns
+        saved = {n: getattr(init, n) for n in _INIT_FNS if hasattr(init, n)}
+        try:
+            for n in saved:
+                setattr(init, n, lambda tensor, *a, **k: tensor)
+            yield
+        finally:
+            for n, fn in saved.items():
+                setattr(init, n, fn)
 
 
 def load_weights(path: str) -> dict[str, torch.Tensor]:
