@@ -226,7 +226,7 @@ def load(path: str, device: Any = None, backend: str = "auto", cache_dir: str | 
             from .native import load_native_model  # plain-torch ModernBERT: nothing of transformers to import
 
             model = load_native_model(bundle)
-        if model is None:
+        if model is None and name != "aot":  # an AOTI package carries its weights: no model to build here
             model = load_model(bundle)
         be = make_backend(backend, model, bundle, dev, **options)
     log.info("loaded %s on %s with the %s backend", path, dev, be.name)

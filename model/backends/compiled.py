@@ -528,8 +528,9 @@ def check_package_loads(package: str, device_index: int = -1, timeout_s: float =
     return "ok"
 
 
-def make_aot_backend(model: torch.nn.Module, bundle: Any, device: torch.device, **options: Any) -> AotBackend:
-    """The `aot` backend: load this checkpoint's package (node-local, else seeded from the shared cache).
+def make_aot_backend(model: torch.nn.Module | None, bundle: Any, device: torch.device, **options: Any) -> AotBackend:
+    """The `aot` backend: load this checkpoint's package (node-local, else seeded from the shared cache). The
+    package carries its weights, so `model` is unused (`model.load` passes None and builds no model).
 
     Options: `package` (an explicit .pt2 path), `build` (build on a miss; default $LAYA_FLEET_AOT_BUILD,
     else False: raises BackendUnavailable naming the `laya-fleet aot` command to run).
