@@ -177,6 +177,30 @@ def test_later_replica_loads_its_graph_from_the_shared_cache_without_tracing(com
     assert after.get("fxgraph_cache_miss", 0) == before.get("fxgraph_cache_miss", 0)
 
 
+def test_a_batch_the_precompiled_graph_refuses_is_traced_and_answered(builds, tiny_checkpoint, engine, tmp_path):
+    from model.backends.compiled import padded_batch
+
+    builds.compile()
+    with pytest.MonkeyPatch.context() as mp:
+        _isolated_env(mp, str(tmp_path / "node"))
+        comp = model.load(tiny_checkpoint, device="cpu", backend="compile", cache_dir=builds.compile_shared)
+        comp.warmup()
+        assert comp.backend.precompile_state == "loaded"
+        rows = _rows(random.Random(9), 3, 90, 3, len(engine.bundle.tokenizer))
+        b, k = padded_batch(rows, comp.bundle.tokenizer.pad_token_id, comp.backend.min_rows)
+        b["input_ids"] = b["input_ids"].to(torch.int32)  # a dtype its guards were not built for
+        with torch.no_grad():
+            logits, act = comp.backend._run(b)
+        assert comp.backend.precompile_misses == 1 and comp.backend.precompile_state == "loaded"
+        want = engine.score(rows)
+        np.testing.assert_allclose(logits[:3, :k].numpy(), want[0], atol=2e-4)
+        # the next ordinary batch still runs in the precompiled graph
+        before = _counters()["graphs"]
+        got = comp.score(rows)
+        assert _counters()["graphs"] == before and comp.backend.precompile_misses == 1
+        np.testing.assert_allclose(got[0], want[0], atol=2e-4)
+
+
 @pytest.mark.parametrize("how", ["precompile off", "corrupt precompiled graph"])
 def test_a_replica_without_the_precompiled_graph_traces_and_answers_the_same(builds, tiny_checkpoint, engine,
                                                                              tmp_path, how):
