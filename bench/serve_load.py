@@ -510,11 +510,13 @@ def batching_delta(before: dict | None, after: dict | None, seconds: float) -> d
     batches = after["batches"] - before["batches"]
     reqs = after["requests"] - before["requests"]
     fwd = after.get("forward_s", 0.0) - before.get("forward_s", 0.0)
+    eng = after.get("engine_s", 0.0) - before.get("engine_s", 0.0)
     waited = (after.get("mean_queue_wait_ms", 0.0) * after["requests"]
               - before.get("mean_queue_wait_ms", 0.0) * before["requests"])
     return {"batches": batches, "requests": reqs, "requests_per_batch": round(reqs / max(1, batches), 2),
             "forward_ms_per_batch": round(1000.0 * fwd / max(1, batches), 3),
             "forward_busy": round(fwd / max(seconds, 1e-9), 3),
+            "engine_ms_per_batch": round(1000.0 * eng / max(1, batches), 3),
             "queue_wait_ms": round(waited / max(1, reqs), 3)}
 
 
@@ -549,8 +551,9 @@ def print_row(name: str, r: dict) -> None:
     cpu = " ".join("%s=%.2f" % kv for kv in r.get("cpu_cores", {}).items())
     sc = r.get("scorer")
     if sc:
-        cpu += "  batch: %.1f req, forward %.2f ms, busy %.0f%%, queue %.1f ms" % (
-            sc["requests_per_batch"], sc["forward_ms_per_batch"], 100 * sc["forward_busy"], sc["queue_wait_ms"])
+        cpu += "  batch: %.1f req, forward %.2f ms (model %.2f), busy %.0f%%, queue %.1f ms" % (
+            sc["requests_per_batch"], sc["forward_ms_per_batch"], sc["engine_ms_per_batch"],
+            100 * sc["forward_busy"], sc["queue_wait_ms"])
     if "scorer_call_ms" in r:
         cpu += "  call/outside p50 %.1f/%.1f ms" % (r["scorer_call_ms"]["p50"], r["outside_call_ms"]["p50"])
     print("%-20s %7d %8d %9.1f %9.1f %9.1f %9.1f  %s  %s" % (name, r["clients"], r["requests"], r["rps"], r["p50_ms"],

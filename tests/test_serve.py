@@ -294,6 +294,8 @@ def test_stats_needs_the_bearer_and_counts_requests_and_scorer_calls(app):
     assert [r.status_code for r in rs] == [200] * 12
     after = httpx.get(app.url + "/stats", headers=AUTH).json()
     assert after["requests"] - before["requests"] == 12 and after["forward_s"] > before["forward_s"]
+    # the model calls on the forward thread fit inside the batches' wall time the loop waited for
+    assert 0 < after["engine_s"] - before["engine_s"] <= after["forward_s"] - before["forward_s"]
     ing = after["ingress"]  # one ingress replica in this app: it carried all 12, in at most 12 calls
     assert ing["requests"] - before["ingress"]["requests"] == 12
     assert 1 <= ing["scorer_calls"] - before["ingress"]["scorer_calls"] <= 12
