@@ -71,13 +71,7 @@ def read_config(path: str) -> dict:
     f = os.path.join(path, CONFIG)
     if not os.path.isfile(f):
         raise FileNotFoundError("Incompatible model: %r does not contain %r" % (path, CONFIG))
-    with open(f, encoding="utf-8") as fh:
-        try:
-            cfg = json.load(fh)
-        except json.JSONDecodeError as e:
-            raise ValueError("Incompatible model: %s is not valid JSON (%s)" % (f, e)) from None
-    if not isinstance(cfg, dict):
-        raise ValueError("Incompatible model: %s must hold a JSON object" % f)
+    cfg = _json_object(f)
     missing = [k for k in ("encoder", "head_layers") if k not in cfg]
     if missing:
         raise ValueError("Incompatible model config for %r: missing configuration keys %s" % (path, missing))
@@ -103,6 +97,11 @@ def read_encoder_dict(path: str) -> dict:
     if not os.path.isfile(f):
         raise FileNotFoundError("Incompatible model: %r has no encoder/config.json; bundles must carry "
                                 "their encoder config (nothing is downloaded)" % path)
+    return _json_object(f)
+
+
+def _json_object(f: str) -> dict:
+    """The JSON object in file `f`; ValueError naming the file when it is not valid JSON or not an object."""
     with open(f, encoding="utf-8") as fh:
         try:
             data = json.load(fh)
@@ -136,8 +135,14 @@ def light_encoder_config(data: dict) -> SimpleNamespace | None:
     does) in transformers-5 form (`layer_types`, per-layer-type `rope_parameters`)."""
     if data.get("model_type") != "modernbert" or any(k not in data for k in LIGHT_KEYS):
         return None
+    ints = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size",
+            "local_attention")
+    if any(not isinstance(data[k], int) or isinstance(data[k], bool) or data[k] <= 0 for k in ints):
+        return None  # odd values: transformers' config (and its errors) decide
+    if data["hidden_size"] % data["num_attention_heads"]:
+        return None
     types, rope = data["layer_types"], data["rope_parameters"]
-    if (not isinstance(types, list) or len(types) != int(data["num_hidden_layers"])
+    if (not isinstance(types, list) or len(types) != data["num_hidden_layers"]
             or not isinstance(rope, dict) or any(not isinstance(rope.get(t), dict) for t in set(types))):
         return None
     if any(rope[t].get("rope_type", "default") != "default" or "rope_theta" not in rope[t] for t in set(types)):

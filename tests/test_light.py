@@ -112,6 +112,9 @@ def test_light_encoder_config_reads_what_transformers_reads(shape, tmp_path):
     scaled["rope_parameters"]["full_attention"].update(rope_type="linear", factor=2.0)
     assert light_encoder_config(scaled) is None
     assert light_encoder_config(dict(data, model_type="bert")) is None
+    # values it cannot vouch for are left to transformers' config and its errors
+    for bad in ({"num_hidden_layers": "many"}, {"hidden_size": data["hidden_size"] + 1}, {"vocab_size": 0}):
+        assert light_encoder_config(dict(data, **bad)) is None, bad
 
 
 def test_incomplete_or_mismatched_checkpoints_are_refused_as_before(tiny_checkpoint, tmp_path):
