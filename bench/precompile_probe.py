@@ -10,10 +10,11 @@ it works on the CPU (tiny: load 2.3 s, then 5 x 200, 2 x 48 and 64 x 512 batches
 |diff| vs eager 2.7e-5).
 
 This script runs the two halves in two child processes (save, then load in a fresh process) on the chosen
-device, under bf16 autocast on CUDA as the backend runs, and prints a table: whether each step worked, its
-seconds, the compile counters of the loading process (should be empty) and the max |diff| against the eager
-model. The compile backend uses the same API (`CompileBackend._setup_precompiled`, falling back to tracing on
-any failure); this probe isolates it, so a torch build where it fails shows why.
+device, under bf16 autocast on CUDA as the backend runs (entered inside the graph), and prints a table:
+whether each step worked, its seconds, the compile counters of the loading process (should be empty) and the
+max |diff| against the eager model. The compile backend uses the same API
+(`CompileBackend._setup_precompiled`, falling back to tracing on any failure); this probe isolates it, so a
+torch build where it fails shows why.
 
     python3 bench/precompile_probe.py --checkpoint DIR [--device cuda] [--out-dir DIR]
 """
@@ -35,21 +36,9 @@ sys.path.insert(0, ROOT)
 SHAPES = ((3, 80, 4), (5, 200, 3), (2, 48, 5), (64, 512, 7))  # the first is the compile example
 
 
-class Aligned(torch.nn.Module):
-    """The compile backend's graph: tokens as [rows, tokens/16, 16] (module level: precompile pickles it)."""
-
-    def __init__(self, m: torch.nn.Module):
-        super().__init__()
-        self.m = m
-
-    def forward(self, ids3, att3, mpos, mmask, qtype):
-        return self.m(ids3.flatten(1), att3.flatten(1), mpos, mmask, qtype)
-
-
 def _setup(checkpoint: str, device: str):
-    import torch
 
-    from model.backends.compiled import ALIGN, _synthetic_rows, padded_batch
+    from model.backends.compiled import ALIGN, _AlignedGraph, _synthetic_rows, padded_batch
     from model.bundle import open_bundle
     from model.native import load_native_model
 
@@ -77,11 +66,11 @@ def _setup(checkpoint: str, device: str):
 
         return torch.autocast("cuda", dtype=torch.bfloat16) if device == "cuda" else contextlib.nullcontext()
 
-    return model, Aligned(model), args, ctx
+    # the backend's own graph module: on CUDA it enters bf16 autocast inside the graph (see _AlignedGraph)
+    return model, _AlignedGraph(model, torch.bfloat16 if device == "cuda" else None, device), args, ctx
 
 
 def child(step: str, checkpoint: str, device: str, path: str) -> dict:
-    import torch
     import torch._dynamo
     from torch._dynamo.aot_compile import ModelInput
     from torch._dynamo.utils import counters
@@ -93,7 +82,7 @@ def child(step: str, checkpoint: str, device: str, path: str) -> dict:
     t = time.perf_counter()
     with torch.no_grad(), torch.fx.experimental._config.patch(use_duck_shape=False):
         if step == "save":
-            compiled._aot_compile([ModelInput(args(*SHAPES[0], mark=True), {}, [ctx()])])
+            compiled._aot_compile([ModelInput(args(*SHAPES[0], mark=True), {}, [])])
             out["compile_s"] = round(time.perf_counter() - t, 2)
             compiled._save_aot_compiled_module(path)
             out["bytes"] = os.path.getsize(path)
@@ -106,8 +95,8 @@ def child(step: str, checkpoint: str, device: str, path: str) -> dict:
         t = time.perf_counter()
         for n, L, k in SHAPES:
             a = args(n, L, k, mark=False)
+            got = compiled(*a)[0].float()  # no context around the call: the graph's guards check dispatch keys
             with ctx():
-                got = compiled(*a)[0].float()
                 want = model(a[0].flatten(1), a[1].flatten(1), *a[2:])[0].float()
             valid = a[3]
             worst = max(worst, float((got - want).abs()[valid].max()))

@@ -158,6 +158,8 @@ def child(spec: dict) -> dict:
     out["cache"] = engine.cache.report() if engine.cache is not None else None
     out["graphs_at_ready"] = counters["stats"]["unique_graphs"]
     out["inductor"] = {k: v for k, v in counters["inductor"].items() if "cache" in k}
+    if hasattr(engine.backend, "precompile_state"):  # compile: did the saved graph load, and did its guards hold
+        out["precompile"] = {"state": engine.backend.precompile_state, "misses": engine.backend.precompile_misses}
     print("\nPARTIAL " + json.dumps(out), flush=True)  # what a timed-out child still reports
     if spec.get("peak"):
         out["peak"] = _peak(engine, *spec["peak"])
@@ -187,6 +189,8 @@ def child(spec: dict) -> dict:
             "argmax_agree": float((lg.argmax(1) == rlg.argmax(1)).mean()),
             "max_dlogit": float(np.abs(np.where(valid, lg - rlg, 0)).max())}
         out["recompiles_after_ready"] = counters["stats"]["unique_graphs"] - out["graphs_at_ready"]
+        if "precompile" in out:
+            out["precompile"]["misses_after_checks"] = engine.backend.precompile_misses
     return out
 
 
@@ -279,6 +283,9 @@ def _fmt(row: dict) -> str:
     acc = row.get("accuracy") or {}
     acc_s = ("dp %.4f act %.4f agree %.3f" % (acc["max_dp"], acc["max_dp_act"], acc["argmax_agree"])) if acc else ""
     tgt = ("<= %.0f %s" % (row["target_s"], "ok" if row["meets_target"] else "MISS")) if "target_s" in row else ""
+    pre = row.get("precompile")
+    if pre:
+        acc_s += " | precompile %s, guard misses %s" % (pre["state"], pre.get("misses_after_checks", pre["misses"]))
     return "%-22s %7.1f %6.1f %6.1f %7.1f  %-10s %-28s %-22s %s" % (
         row["name"], row["ready_s"], row["import_s"], row["load_s"], row["warmup_s"], tgt, seeded, pub, acc_s)
 

@@ -201,6 +201,41 @@ def test_a_batch_the_precompiled_graph_refuses_is_traced_and_answered(builds, ti
         np.testing.assert_allclose(got[0], want[0], atol=2e-4)
 
 
+AUTOCAST_CHILD = """
+import json, random, sys
+import torch
+import model
+from model.sequence import Row
+e = model.load(sys.argv[1], device="cpu", backend="compile", cache_dir=sys.argv[2])
+e.backend.autocast = torch.bfloat16  # as the backend runs on CUDA: the model in fp32 under bf16 autocast
+e.warmup()
+rng = random.Random(3)
+rows = [Row([rng.randrange(5, 200) for _ in range(L)], [1, 2, 3], 0) for L in (40, 150, 300)]
+got = e.score(rows)[0]
+print(json.dumps({"precompile": e.backend.precompile_state, "misses": e.backend.precompile_misses,
+                  "finite": bool(torch.isfinite(torch.as_tensor(got)).all())}))
+"""
+
+
+def test_a_graph_precompiled_under_autocast_loads_and_serves_in_a_later_replica(tiny_checkpoint, tmp_path):
+    # On CUDA the backend runs the fp32 model under bf16 autocast. A saved graph's guards check each input's
+    # dispatch keys, and an autocast context around the call adds Autocast* to them: a graph saved that way
+    # refused every batch in the replica that loaded it (H200: the warm start traced and compiled from scratch,
+    # 69-103 s). The graph enters autocast itself; CPU autocast has the same dispatch-key behaviour.
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS=str(torch.get_num_threads()))
+    for k in ENV_VARS:
+        env.pop(k, None)
+    shared = str(tmp_path / "shared")
+    out = []
+    for node in ("a", "b"):
+        p = subprocess.run([sys.executable, "-c", AUTOCAST_CHILD, tiny_checkpoint, shared], text=True,
+                           capture_output=True, timeout=900, env=dict(env, **{cache.LOCAL_ENV: str(tmp_path / node)}))
+        assert p.returncode == 0, p.stderr[-4000:]
+        out.append(json.loads(p.stdout.strip().splitlines()[-1]))
+    assert out[0] == {"precompile": "built", "misses": 0, "finite": True}
+    assert out[1] == {"precompile": "loaded", "misses": 0, "finite": True}
+
+
 @pytest.mark.parametrize("how", ["precompile off", "corrupt precompiled graph"])
 def test_a_replica_without_the_precompiled_graph_traces_and_answers_the_same(builds, tiny_checkpoint, engine,
                                                                              tmp_path, how):

@@ -149,14 +149,23 @@ PRECOMPILE_ENV = "LAYA_FLEET_COMPILE_PRECOMPILE"
 
 class _AlignedGraph(torch.nn.Module):
     """The compiled graph's module for precompile (module level: torch pickles a reference to it): tokens arrive
-    as [rows, tokens/16, 16] views, as in `CompileBackend._graph_aligned`."""
+    as [rows, tokens/16, 16] views, as in `CompileBackend._graph_aligned`.
 
-    def __init__(self, model: torch.nn.Module):
+    Autocast, where the backend uses it, is entered inside the graph, not around the call: a saved graph's
+    guards check each input's dispatch keys, and an autocast context around the call adds AutocastCUDA to them,
+    so a graph saved that way refused every batch in the process that loaded it (H200, torch 2.11)."""
+
+    def __init__(self, model: torch.nn.Module, autocast: torch.dtype | None = None, device_type: str = "cuda"):
         super().__init__()
         self.model = model
+        self.autocast = autocast
+        self.device_type = device_type
 
     def forward(self, ids3, att3, mpos, mmask, qtype):
-        return self.model(ids3.flatten(1), att3.flatten(1), mpos, mmask, qtype)
+        if self.autocast is None:
+            return self.model(ids3.flatten(1), att3.flatten(1), mpos, mmask, qtype)
+        with torch.autocast(self.device_type, dtype=self.autocast):
+            return self.model(ids3.flatten(1), att3.flatten(1), mpos, mmask, qtype)
 
 
 class CompileBackend(_Padded):
@@ -233,7 +242,7 @@ class CompileBackend(_Padded):
             args = (b["input_ids"].view(n, -1, ALIGN), b["attention_mask"].view(n, -1, ALIGN), b["marker_pos"],
                     b["marker_mask"], b["qtype"])
             try:
-                return self._call(args, self._pre)
+                return self._call(args, self._pre, autocast=False)  # the saved graph enters autocast itself
             except RuntimeError as e:
                 if "GuardManager check failed" not in str(e):
                     raise
@@ -273,12 +282,14 @@ class CompileBackend(_Padded):
         self.warmup_s = time.perf_counter() - t
         return self.warmup_s
 
-    def _call(self, args, fn=None):
+    def _call(self, args, fn=None, autocast: bool = True):
+        import contextlib
+
         from torch._inductor import config as inductor_config
 
         fn = self._compiled if fn is None else fn
         with torch.fx.experimental._config.patch(use_duck_shape=False), inductor_config.patch(INDUCTOR_CONFIG):
-            with self._autocast():
+            with self._autocast() if autocast else contextlib.nullcontext():
                 return fn(*args)
 
     def _autocast(self):
@@ -320,7 +331,8 @@ class CompileBackend(_Padded):
             return
         from torch._inductor import config as inductor_config
 
-        graph = torch.compile(_AlignedGraph(self.model), fullgraph=True, dynamic=False)
+        graph = torch.compile(_AlignedGraph(self.model, self.autocast, self.device.type), fullgraph=True,
+                              dynamic=False)
         t = time.perf_counter()
         try:
             with torch._dynamo.config.patch(enable_aot_compile=True), torch.no_grad():
@@ -337,7 +349,7 @@ class CompileBackend(_Padded):
                     args = self._args({k: v.to(self.device) for k, v in b.items()})
                     with torch.fx.experimental._config.patch(use_duck_shape=False), \
                             inductor_config.patch(INDUCTOR_CONFIG):
-                        graph._aot_compile([ModelInput(args, {}, [self._autocast()])])
+                        graph._aot_compile([ModelInput(args, {}, [])])
                     os.makedirs(os.path.dirname(path), exist_ok=True)
                     tmp = "%s.%d.tmp" % (path, os.getpid())
                     graph._save_aot_compiled_module(tmp)
