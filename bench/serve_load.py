@@ -132,7 +132,7 @@ class FleetServer(Server):
     name = "laya-fleet"
 
     def __init__(self, config: dict | str, log_path: str, ready_timeout: float = 900.0, address: str | None = None,
-                 direct: bool = False):
+                 direct: bool = False, extra_env: dict | None = None):
         super().__init__(log_path)
         self._tmp = None
         if isinstance(config, str):  # a config file, run as is
@@ -158,6 +158,8 @@ class FleetServer(Server):
                        RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S="1",
                        RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT=str(lo),
                        RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT=str(lo + 49))
+        if extra_env:
+            env = dict(env or os.environ, **extra_env)
         self._spawn([os.path.join(BIN, "serve"), "run", "--address", address, path], env)
         self.urls: list[str] = []
         try:
@@ -600,6 +602,10 @@ def environment(checkpoint: str | None, backend: str) -> dict:
             "request": "1 state x 3 questions (configs/example_questions.json)", "time": time.strftime("%FT%T%z")}
 
 
+# --ingress-mode: the environment each mode adds to `serve run` (Ray hands it to every replica of a local Ray)
+MODES: dict[str, dict[str, str]] = {"proxy": {}, "direct": {}, "direct-tp": {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}}
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit status (1 if any request failed)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -620,7 +626,9 @@ def main(argv: list[str] | None = None) -> int:
                         "sharing the port); 1 = `serve run`'s own single-node Ray; a list (1,4) runs each")
     p.add_argument("--ingress-mode", default="proxy",
                    help="proxy (HTTP through Serve's proxy), direct (RAY_SERVE_ENABLE_DIRECT_INGRESS: each ingress "
-                        "replica serves HTTP on its own port, clients spread over them), or both: proxy,direct")
+                        "replica serves HTTP on its own port, clients spread over them), direct-tp (direct with "
+                        "RAY_SERVE_THROUGHPUT_OPTIMIZED=1: user code and router on the replica's own event loop, "
+                        "gRPC between deployments, GC frozen after start-up), or a list: proxy,direct,direct-tp"),
     p.add_argument("--gil-switch-interval", type=float, default=None,
                    help="scorer replicas' sys.setswitchinterval (default: Python's 0.005 s)")
     p.add_argument("--skip-forward", action="store_true",
@@ -661,25 +669,28 @@ def main(argv: list[str] | None = None) -> int:
                                                    "p99 ms", "errors"))
     proxy_counts = [int(x) for x in str(args.proxies).split(",") if x.strip()]
     modes = [m.strip() for m in args.ingress_mode.split(",") if m.strip()]
-    if not modes or set(modes) - {"proxy", "direct"}:
-        p.error("--ingress-mode takes proxy, direct or proxy,direct (got %r)" % args.ingress_mode)
+    if not modes or set(modes) - set(MODES):
+        p.error("--ingress-mode takes a list of %s (got %r)" % (", ".join(MODES), args.ingress_mode))
     for k in proxy_counts if not args.url else []:
         cluster = LocalCluster(k, os.path.dirname(logs)) if k > 1 else None
         address = cluster.address if cluster else None
         try:
             for mode in modes:
-                direct = mode == "direct"
+                direct = mode != "proxy"
+                xenv = MODES[mode]
                 if direct and k > 1:
                     print("(direct ingress is run with 1 proxy only: its replicas serve HTTP themselves)")
                     continue
                 names = [] if len(proxy_counts) == 1 else ["%d prox%s" % (k, "y" if k == 1 else "ies")]
-                names += ["direct ingress"] if direct else ([] if len(modes) == 1 else ["via proxy"])
+                names += ([] if len(modes) == 1 else ["via proxy"]) if not direct else \
+                    ["direct ingress" + (", throughput-optimized" if xenv else "")]
                 suffix = " (%s)" % ", ".join(names) if names else ""
-                tag = "%s%d" % ("d" if direct else "", k)
+                tag = "%s%d" % ({"proxy": "", "direct": "d"}.get(mode, "t"), k)
                 if args.floor:
                     cfg = floor_config(free_port(), ingress)
                     cfg["proxy_location"] = "EveryNode"
-                    with FleetServer(cfg, logs + ".floor%s.log" % tag, address=address, direct=direct) as srv:
+                    with FleetServer(cfg, logs + ".floor%s.log" % tag, address=address, direct=direct,
+                                     extra_env=xenv) as srv:
                         srv.name = "serve floor (no work)" + suffix
                         results[srv.name] = run_server(srv, payloads, levels, args.duration, args.warmup, None,
                                                        procs, cpu=True)
@@ -689,7 +700,8 @@ def main(argv: list[str] | None = None) -> int:
                                        args.gil_switch_interval, args.gpus_per_replica)
                     cfg["proxy_location"] = "EveryNode"
                     cfg["applications"][0]["args"]["backend_wrapper"] = "bench.serve_floor_app:SkipForward"
-                    with FleetServer(cfg, logs + ".skip%s.log" % tag, address=address, direct=direct) as srv:
+                    with FleetServer(cfg, logs + ".skip%s.log" % tag, address=address, direct=direct,
+                                     extra_env=xenv) as srv:
                         srv.name = "laya-fleet, forward skipped" + suffix
                         results[srv.name] = run_server(srv, payloads, levels, args.duration, args.warmup, None,
                                                        procs, cpu=True)
@@ -698,7 +710,8 @@ def main(argv: list[str] | None = None) -> int:
                                        ingress, args.max_batch_tokens, gpus, args.ingress_inflight,
                                        args.gil_switch_interval, args.gpus_per_replica)
                     cfg["proxy_location"] = "EveryNode"
-                    with FleetServer(cfg, logs + ".fleet%s.log" % tag, address=address, direct=direct) as srv:
+                    with FleetServer(cfg, logs + ".fleet%s.log" % tag, address=address, direct=direct,
+                                     extra_env=xenv) as srv:
                         srv.name = "laya-fleet" + suffix
                         startup[srv.name] = round(srv.ready_s, 1)
                         answers[srv.name] = sample_answers((srv.urls or [srv.url])[0] + "/v1/systemone",
