@@ -602,8 +602,21 @@ def environment(checkpoint: str | None, backend: str) -> dict:
             "request": "1 state x 3 questions (configs/example_questions.json)", "time": time.strftime("%FT%T%z")}
 
 
-# --ingress-mode: the environment each mode adds to `serve run` (Ray hands it to every replica of a local Ray)
-MODES: dict[str, dict[str, str]] = {"proxy": {}, "direct": {}, "direct-tp": {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}}
+# --ingress-mode: the environment each mode adds to `serve run` (Ray hands it to every replica of a local Ray).
+# "direct-ray-defaults" also drops the RAY_SERVE_* settings configs/local.yaml gives its replicas (gRPC between
+# deployments, user code and router on the replica's loop): Ray's own request path, the baseline for them.
+MODES: dict[str, dict[str, str]] = {"proxy": {}, "direct": {}, "direct-ray-defaults": {},
+                                    "direct-tp": {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}}
+
+
+def apply_mode(cfg: dict, mode: str) -> dict:
+    """`cfg` as --ingress-mode `mode` runs it (see MODES)."""
+    if mode == "direct-ray-defaults":
+        for app in cfg["applications"]:
+            env = (app.get("runtime_env") or {}).get("env_vars") or {}
+            for k in [k for k in env if k.startswith("RAY_SERVE_")]:
+                del env[k]
+    return cfg
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -626,9 +639,9 @@ def main(argv: list[str] | None = None) -> int:
                         "sharing the port); 1 = `serve run`'s own single-node Ray; a list (1,4) runs each")
     p.add_argument("--ingress-mode", default="proxy",
                    help="proxy (HTTP through Serve's proxy), direct (RAY_SERVE_ENABLE_DIRECT_INGRESS: each ingress "
-                        "replica serves HTTP on its own port, clients spread over them), direct-tp (direct with "
-                        "RAY_SERVE_THROUGHPUT_OPTIMIZED=1: user code and router on the replica's own event loop, "
-                        "gRPC between deployments, GC frozen after start-up), or a list: proxy,direct,direct-tp"),
+                        "replica serves HTTP on its own port, clients spread over them), direct-ray-defaults "
+                        "(direct without the RAY_SERVE_* request-path settings of configs/local.yaml), direct-tp "
+                        "(direct with RAY_SERVE_THROUGHPUT_OPTIMIZED=1, Ray's preset), or a list of them")
     p.add_argument("--gil-switch-interval", type=float, default=None,
                    help="scorer replicas' sys.setswitchinterval (default: Python's 0.005 s)")
     p.add_argument("--skip-forward", action="store_true",
@@ -683,12 +696,14 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 names = [] if len(proxy_counts) == 1 else ["%d prox%s" % (k, "y" if k == 1 else "ies")]
                 names += ([] if len(modes) == 1 else ["via proxy"]) if not direct else \
-                    ["direct ingress" + (", throughput-optimized" if xenv else "")]
+                    ["direct ingress" + {"direct": "", "direct-tp": ", throughput-optimized",
+                                         "direct-ray-defaults": ", Ray's default request path"}[mode]]
                 suffix = " (%s)" % ", ".join(names) if names else ""
-                tag = "%s%d" % ({"proxy": "", "direct": "d"}.get(mode, "t"), k)
+                tag = "%s%d" % ({"proxy": "", "direct": "d", "direct-tp": "t"}.get(mode, "r"), k)
                 if args.floor:
                     cfg = floor_config(free_port(), ingress)
                     cfg["proxy_location"] = "EveryNode"
+                    apply_mode(cfg, mode)
                     with FleetServer(cfg, logs + ".floor%s.log" % tag, address=address, direct=direct,
                                      extra_env=xenv) as srv:
                         srv.name = "serve floor (no work)" + suffix
@@ -699,6 +714,7 @@ def main(argv: list[str] | None = None) -> int:
                                        ingress, args.max_batch_tokens, gpus, args.ingress_inflight,
                                        args.gil_switch_interval, args.gpus_per_replica)
                     cfg["proxy_location"] = "EveryNode"
+                    apply_mode(cfg, mode)
                     cfg["applications"][0]["args"]["backend_wrapper"] = "bench.serve_floor_app:SkipForward"
                     with FleetServer(cfg, logs + ".skip%s.log" % tag, address=address, direct=direct,
                                      extra_env=xenv) as srv:
@@ -710,6 +726,7 @@ def main(argv: list[str] | None = None) -> int:
                                        ingress, args.max_batch_tokens, gpus, args.ingress_inflight,
                                        args.gil_switch_interval, args.gpus_per_replica)
                     cfg["proxy_location"] = "EveryNode"
+                    apply_mode(cfg, mode)
                     with FleetServer(cfg, logs + ".fleet%s.log" % tag, address=address, direct=direct,
                                      extra_env=xenv) as srv:
                         srv.name = "laya-fleet" + suffix

@@ -184,6 +184,17 @@ def _hide_docs(fastapi_app: FastAPI) -> None:
     fastapi_app.router.routes[:] = [r for r in fastapi_app.router.routes if getattr(r, "path", None) not in hidden]
 
 
+def serve_request_path() -> dict[str, bool]:
+    """How Ray Serve runs this replica's request path, as its environment set it (the app's runtime_env in
+    configs/*.yaml): gRPC calls between deployments, user code and the handle's router on the replica's own
+    event loop, direct ingress."""
+    from ray.serve._private import constants as c
+
+    return {"grpc_between_deployments": bool(c.RAY_SERVE_USE_GRPC_BY_DEFAULT),
+            "user_code_on_replica_loop": not c.RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD,
+            "router_on_replica_loop": not c.RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP,
+            "direct_ingress": bool(c.RAY_SERVE_ENABLE_DIRECT_INGRESS)}
+
 @serve.deployment(name="Ingress", max_ongoing_requests=256, ray_actor_options={"num_cpus": 0.5})
 @serve.ingress(app)
 class Ingress:
@@ -470,7 +481,8 @@ class Ingress:
             resp.cancel()
             raise HTTPError(503, "scorer unavailable, try again later", {"Retry-After": str(RETRY_AFTER_S)}) from None
         out["ingress"] = {"scorer_calls": self._calls.calls, "requests": self._calls.requests,
-                          "waiting": self._calls.waiting, "inflight": self._calls.inflight}
+                          "waiting": self._calls.waiting, "inflight": self._calls.inflight,
+                          "ray_serve": serve_request_path()}
         return out
 
     @app.get("/ready", summary="Readiness: 200 once a warm scorer replica answers, else 503")

@@ -300,6 +300,9 @@ def test_stats_needs_the_bearer_and_counts_requests_and_scorer_calls(app):
     assert ing["requests"] - before["ingress"]["requests"] == 12
     assert 1 <= ing["scorer_calls"] - before["ingress"]["scorer_calls"] <= 12
     assert ing["waiting"] == 0 and ing["inflight"] == 0
+    # the Serve request path configs/local.yaml's runtime_env asks for reached the replica (as in prod.yaml)
+    assert ing["ray_serve"] == {"grpc_between_deployments": True, "user_code_on_replica_loop": True,
+                                "router_on_replica_loop": True, "direct_ingress": False}
 
 
 # -- live reconfiguration, faults ----------------------------------------------------------------

@@ -25,6 +25,13 @@ def test_config_parses_as_serve_schema_and_typed_args(name):
         assert "ray_actor_options" not in d  # resources come from args (Serve would replace them whole)
         assert 0 < d["max_queued_requests"] and d["max_ongoing_requests"] >= 256
     assert ingress["backpressure_config"]["retry_after_s"] >= 1
+    # both run Serve's faster request path (gRPC between deployments, no thread hops; docs/serving.md), so the
+    # suite, which deploys local.yaml, exercises what prod runs
+    env = app["runtime_env"]["env_vars"]
+    assert {k: env.get(k) for k in ("RAY_SERVE_USE_GRPC_BY_DEFAULT", "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD",
+                                    "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP")} == {
+        "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1", "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+        "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
     if name == "local.yaml":
         assert cfg["http_options"]["host"] == "127.0.0.1" and args.checkpoint == "checkpoints/tiny"
         assert args.scorer.num_gpus == 0 and args.device == "cpu" and args.api_key_env is None
