@@ -339,7 +339,8 @@ def main(argv=None) -> int:
     ap.add_argument("--shape", default="tiny", help="make-checkpoint shape when no --checkpoint is given")
     ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     ap.add_argument("--rows", default="compile,peak,aot,fast",
-                    help="comma list, run in this order: compile, aot, fast (cold + warm rows each), peak")
+                    help="comma list, run in this order: compile, regional (compile with regional=True), aot, fast "
+                         "(cold + warm rows each), peak")
     ap.add_argument("--parallel-peak", action="store_true",
                     help="run the no-align peak child alongside the rows after it (it measures memory, not time)")
     ap.add_argument("--accuracy-rows", type=int, default=None, help="rows checked against fp32 eager")
@@ -407,7 +408,7 @@ def main(argv=None) -> int:
                                                           "seeded", "published", "vs fp32 eager"), flush=True)
     acc = {"accuracy": args.accuracy_rows}
     peak_tokens = min(1024, max_len)
-    order = [x for x in args.rows.split(",") if x in ("fast", "compile", "aot", "peak")]
+    order = [x for x in args.rows.split(",") if x in ("fast", "compile", "regional", "aot", "peak")]
     if not cuda:
         order = [x for x in order if x != "fast"]  # TileLang kernels need CUDA
     background = None
@@ -424,7 +425,11 @@ def main(argv=None) -> int:
             continue
         shared = d(item, "shared")
         opts = {"options": {"build": True}} if item == "aot" else {}
-        cold = run_row(args, "%s cold" % item, item, "cold", shared, d(item, "node1"), row_deadline(), **acc, **opts)
+        backend = item
+        if item == "regional":  # the compile backend with one graph per kind of encoder layer
+            backend, opts = "compile", {"options": {"regional": True}}
+        cold = run_row(args, "%s cold" % item, backend, "cold", shared, d(item, "node1"), row_deadline(), **acc,
+                       **opts)
         if background is not None and item == "aot":
             cold["note"] = "built while the no-align peak child compiled alongside"
         add(cold)
@@ -433,7 +438,9 @@ def main(argv=None) -> int:
         extra = {"peak": [32, peak_tokens], "peak_eager": True} if (item == "compile" and "peak" in order) else {}
         if item == "fast":  # the warm fast row loads kernels through the index (kernels/_tl.py): check answers too
             extra.update(acc)
-        add(run_row(args, "%s warm" % item, item, "warm", shared, d(item, "node2"), row_deadline(), **extra))
+        if item == "regional":
+            extra.update(opts)
+        add(run_row(args, "%s warm" % item, backend, "warm", shared, d(item, "node2"), row_deadline(), **extra))
     if background is not None:
         add(finish_row(background))
     result["total_s"] = time.time() - t_start

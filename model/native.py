@@ -102,6 +102,8 @@ class NativeModernBert(nn.Module):
         self.rope_scaling = [float(tables[t][1]) for t in self.rope_types]
         for t in self.rope_types:
             self.register_buffer("%s_inv_freq" % t, tables[t][0].float(), persistent=False)
+        # the per-layer function; the compile backend's regional mode puts a compiled one here
+        self.step: Any = None
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> EncoderOutput:
         L = input_ids.shape[1]
@@ -119,25 +121,42 @@ class NativeModernBert(nn.Module):
             freqs = pos[:, None].float() * getattr(self, "%s_inv_freq" % t)[None, :]
             e = torch.cat((freqs, freqs), dim=-1)
             rope[t] = ((e.cos() * scale).to(h.dtype), (e.sin() * scale).to(h.dtype))
+        step = self.step or layer_step
+        eps = float(self.config.norm_eps)
         for layer, lt in zip(self.layers, self.layer_types):
-            h = h + self._attention(layer.attn, layer.attn_norm(h), rope[lt], full if lt == "full_attention" else local)
-            x = layer.mlp_norm(h)
-            a, gate = layer.mlp.Wi(x).chunk(2, dim=-1)
-            h = h + layer.mlp.Wo(F.gelu(a) * gate)
+            h = step(h, *rope[lt], full if lt == "full_attention" else local, layer_params(layer), eps,
+                     layer.attn.heads, layer.attn.head_dim)
         return EncoderOutput(self.final_norm(h))
 
-    @staticmethod
-    def _attention(attn: _Attention, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                   mask: torch.Tensor) -> torch.Tensor:
-        B, L, _ = x.shape
-        q, k, v = attn.Wqkv(x).view(B, L, 3, attn.heads, attn.head_dim).unbind(dim=2)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        cos, sin = rope[0][None, None], rope[1][None, None]
-        dt = q.dtype
-        q = ((q.float() * cos) + (_rotate_half(q.float()) * sin)).to(dt)
-        k = ((k.float() * cos) + (_rotate_half(k.float()) * sin)).to(dt)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.head_dim ** -0.5)
-        return attn.Wo(o.transpose(1, 2).reshape(B, L, -1))
+
+def layer_params(layer: _Layer) -> tuple[torch.Tensor | None, ...]:
+    """One layer's tensors in `layer_step`'s order (None for an absent bias or layer 0's identity norm)."""
+    an, a, mn, m = layer.attn_norm, layer.attn, layer.mlp_norm, layer.mlp
+    return (getattr(an, "weight", None), getattr(an, "bias", None), a.Wqkv.weight, a.Wqkv.bias, a.Wo.weight,
+            a.Wo.bias, mn.weight, mn.bias, m.Wi.weight, m.Wi.bias, m.Wo.weight, m.Wo.bias)
+
+
+def layer_step(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+               p: tuple[torch.Tensor | None, ...], eps: float, heads: int, head_dim: int) -> torch.Tensor:
+    """One pre-norm ModernBERT layer on the fp32 residual stream h [B, L, d]: RoPE attention under `mask`
+    ([B, 1, 1, L] keys or [B, 1, L, L]), then the GeGLU MLP. A plain function of tensors (parameters
+    included), so `torch.compile` builds one graph that every layer of a kind shares (the compile backend's
+    regional mode)."""
+    an_w, an_b, qkv_w, qkv_b, o_w, o_b, mn_w, mn_b, wi_w, wi_b, wo_w, wo_b = p
+    d = h.shape[-1]
+    x = h if an_w is None else F.layer_norm(h, (d,), an_w, an_b, eps)
+    B, L, _ = x.shape
+    q, k, v = F.linear(x, qkv_w, qkv_b).view(B, L, 3, heads, head_dim).unbind(dim=2)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    cos, sin = cos[None, None], sin[None, None]
+    dt = q.dtype
+    q = ((q.float() * cos) + (_rotate_half(q.float()) * sin)).to(dt)
+    k = ((k.float() * cos) + (_rotate_half(k.float()) * sin)).to(dt)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=head_dim ** -0.5)
+    h = h + F.linear(o.transpose(1, 2).reshape(B, L, -1), o_w, o_b)
+    x = F.layer_norm(h, (d,), mn_w, mn_b, eps)
+    a, gate = F.linear(x, wi_w, wi_b).chunk(2, dim=-1)
+    return h + F.linear(F.gelu(a) * gate, wo_w, wo_b)
 
 
 def load_native_model(bundle: Bundle) -> torch.nn.Module | None:
@@ -163,4 +182,4 @@ def load_native_model(bundle: Bundle) -> torch.nn.Module | None:
     return model.float().eval().requires_grad_(False)
 
 
-__all__ = ["NativeModernBert", "EncoderOutput", "load_native_model"]
+__all__ = ["NativeModernBert", "EncoderOutput", "layer_params", "layer_step", "load_native_model"]

@@ -341,3 +341,23 @@ def test_aot_without_a_package_names_the_build_command(tiny_checkpoint, tmp_path
         _isolated_env(mp, str(tmp_path / "node"))
         with pytest.raises(BackendUnavailable, match="laya-fleet aot --checkpoint"):
             model.load(tiny_checkpoint, device="cpu", backend="aot", cache_dir=str(tmp_path / "empty"))
+
+
+def test_regional_compile_builds_one_graph_per_kind_of_layer_and_matches_eager(tiny_checkpoint, engine, tmp_path):
+    # regional mode: the encoder's layers call one compiled function of tensors; layers of a kind share its graph
+    with pytest.MonkeyPatch.context() as mp:
+        _isolated_env(mp, str(tmp_path / "node"))
+        before = _counters()["graphs"]
+        comp = model.load(tiny_checkpoint, device="cpu", backend="compile", cache_dir=str(tmp_path / "shared"),
+                          regional=True)
+        comp.warmup()
+        be = comp.backend
+        assert be.regional and be.precompile_path() is None and be._compiled is None
+        types = be.model.encoder.layer_types
+        kinds = len({(i == 0, t) for i, t in enumerate(types)})  # layer 0's norm is the identity
+        assert len(types) > kinds == 3
+        assert _counters()["graphs"] - before == kinds
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            worst = _compare(comp, engine, _shapes(engine.bundle.max_len), len(engine.bundle.tokenizer), seed=8)
+        assert _counters()["graphs"] - before == kinds  # no shape after warm-up compiled anything
+        assert worst > 0
