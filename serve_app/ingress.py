@@ -195,6 +195,7 @@ def serve_request_path() -> dict[str, bool]:
             "router_on_replica_loop": not c.RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP,
             "direct_ingress": bool(c.RAY_SERVE_ENABLE_DIRECT_INGRESS)}
 
+
 @serve.deployment(name="Ingress", max_ongoing_requests=256, ray_actor_options={"num_cpus": 0.5})
 @serve.ingress(app)
 class Ingress:
