@@ -642,6 +642,9 @@ def main(argv: list[str] | None = None) -> int:
                         "replica serves HTTP on its own port, clients spread over them), direct-ray-defaults "
                         "(direct without the RAY_SERVE_* request-path settings of configs/local.yaml), direct-tp "
                         "(direct with RAY_SERVE_THROUGHPUT_OPTIMIZED=1, Ray's preset), or a list of them")
+    p.add_argument("--topology", default="split",
+                   help="split (CPU ingress replicas -> GPU scorer replicas), fused (one deployment whose replicas "
+                        "hold the scorer: no process hop; serve_app.app.fused_config), or split,fused")
     p.add_argument("--gil-switch-interval", type=float, default=None,
                    help="scorer replicas' sys.setswitchinterval (default: Python's 0.005 s)")
     p.add_argument("--skip-forward", action="store_true",
@@ -684,11 +687,16 @@ def main(argv: list[str] | None = None) -> int:
     modes = [m.strip() for m in args.ingress_mode.split(",") if m.strip()]
     if not modes or set(modes) - set(MODES):
         p.error("--ingress-mode takes a list of %s (got %r)" % (", ".join(MODES), args.ingress_mode))
+    topologies = [t.strip() for t in args.topology.split(",") if t.strip()]
+    if not topologies or set(topologies) - {"split", "fused"}:
+        p.error("--topology takes split, fused or split,fused (got %r)" % args.topology)
+    if "fused" in topologies:
+        from serve_app.app import fused_config
     for k in proxy_counts if not args.url else []:
         cluster = LocalCluster(k, os.path.dirname(logs)) if k > 1 else None
         address = cluster.address if cluster else None
         try:
-            for mode in modes:
+            for topology, mode in [(t, m) for t in topologies for m in modes]:
                 direct = mode != "proxy"
                 xenv = MODES[mode]
                 if direct and k > 1:
@@ -698,8 +706,10 @@ def main(argv: list[str] | None = None) -> int:
                 names += ([] if len(modes) == 1 else ["via proxy"]) if not direct else \
                     ["direct ingress" + {"direct": "", "direct-tp": ", throughput-optimized",
                                          "direct-ray-defaults": ", Ray's default request path"}[mode]]
+                names += ["fused"] if topology == "fused" else ([] if len(topologies) == 1 else ["split"])
                 suffix = " (%s)" % ", ".join(names) if names else ""
-                tag = "%s%d" % ({"proxy": "", "direct": "d", "direct-tp": "t"}.get(mode, "r"), k)
+                tag = "%s%s%d" % ("f" if topology == "fused" else "",
+                                  {"proxy": "", "direct": "d", "direct-tp": "t"}.get(mode, "r"), k)
                 if args.floor:
                     cfg = floor_config(free_port(), ingress)
                     cfg["proxy_location"] = "EveryNode"
@@ -715,6 +725,8 @@ def main(argv: list[str] | None = None) -> int:
                                        args.gil_switch_interval, args.gpus_per_replica)
                     cfg["proxy_location"] = "EveryNode"
                     apply_mode(cfg, mode)
+                    if topology == "fused":
+                        fused_config(cfg)
                     cfg["applications"][0]["args"]["backend_wrapper"] = "bench.serve_floor_app:SkipForward"
                     with FleetServer(cfg, logs + ".skip%s.log" % tag, address=address, direct=direct,
                                      extra_env=xenv) as srv:
@@ -727,6 +739,8 @@ def main(argv: list[str] | None = None) -> int:
                                        args.gil_switch_interval, args.gpus_per_replica)
                     cfg["proxy_location"] = "EveryNode"
                     apply_mode(cfg, mode)
+                    if topology == "fused":
+                        fused_config(cfg)
                     with FleetServer(cfg, logs + ".fleet%s.log" % tag, address=address, direct=direct,
                                      extra_env=xenv) as srv:
                         srv.name = "laya-fleet" + suffix

@@ -2,6 +2,9 @@
 
     Ingress (FastAPI, CPU)  --DeploymentHandle, rows-->  Scorer (one per GPU, token-budget batching)
 
+or, with `topology: fused`, one deployment whose replicas (one per GPU) do both (serve_app/ingress.py
+`FusedIngress`).
+
 `args` (an `AppArgs`) fix what a replica is built from (checkpoint, backend, resources, limits, auth);
 changing them restarts replicas. The scorer's batching policy is its `user_config`
 (`deployments: [{name: Scorer, user_config: {...}}]` in the config file), applied live by
@@ -10,6 +13,7 @@ changing them restarts replicas. The scorer's batching policy is its `user_confi
 
 import logging
 import os
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from ray.serve import Application
@@ -67,6 +71,10 @@ class AppArgs(BaseModel):
     ingress: IngressOptions = Field(default_factory=IngressOptions)
     backend_wrapper: str | None = Field(None, description="'module:callable' wrapping the scorer's backend "
                                                           "(fault injection in tests, instrumentation)")
+    topology: Literal["split", "fused"] = Field(
+        "split", description="split: CPU ingress replicas call GPU scorer replicas through a DeploymentHandle; "
+                             "fused: one deployment ('Ingress') whose replicas hold the scorer (one per GPU, "
+                             "no process hop; its config entry takes the scorer's user_config and autoscaling)")
 
 
 def _checkpoint_path(path: str) -> str:
@@ -89,15 +97,51 @@ def build_app(args: AppArgs) -> Application:
         actor["memory"] = args.scorer.memory
     if args.scorer.accelerator_type:
         actor["accelerator_type"] = args.scorer.accelerator_type
+    scorer_kwargs = dict(checkpoint=checkpoint, backend=args.backend, device=args.device, cache_dir=args.cache_dir,
+                         warmup=args.warmup, torch_threads=args.scorer.torch_threads,
+                         backend_wrapper=args.backend_wrapper,
+                         gil_switch_interval_s=args.scorer.gil_switch_interval_s, batching=args.batching.model_dump())
+    ingress_kwargs = dict(limits=args.limits.model_dump(), api_key_env=args.api_key_env, docs=args.docs,
+                          cpu_threads=args.ingress.cpu_threads, max_inflight_calls=args.ingress.max_inflight_calls,
+                          max_call_tokens=args.ingress.max_call_tokens)
+    if args.topology == "fused":  # the scorer inside each ingress replica: the scorer's resources
+        from .ingress import FusedIngress
+
+        fused_actor = dict(actor, num_cpus=args.scorer.num_cpus + args.ingress.num_cpus)
+        app = FusedIngress.options(ray_actor_options=fused_actor, user_config=args.batching.model_dump()).bind(
+            scorer_kwargs, checkpoint, **ingress_kwargs)
+        log.info("built laya-fleet app (fused): checkpoint %s, backend %s, replica %s", checkpoint, args.backend,
+                 fused_actor)
+        return app
     scorer = ScorerDeployment.options(ray_actor_options=actor, user_config=args.batching.model_dump()).bind(
-        checkpoint, backend=args.backend, device=args.device, cache_dir=args.cache_dir, warmup=args.warmup,
-        torch_threads=args.scorer.torch_threads, backend_wrapper=args.backend_wrapper,
-        gil_switch_interval_s=args.scorer.gil_switch_interval_s,
-        batching=args.batching.model_dump())
+        **scorer_kwargs)
     ingress = Ingress.options(ray_actor_options={"num_cpus": args.ingress.num_cpus}).bind(
-        scorer, checkpoint, limits=args.limits.model_dump(), api_key_env=args.api_key_env, docs=args.docs,
-        cpu_threads=args.ingress.cpu_threads, max_inflight_calls=args.ingress.max_inflight_calls,
-        max_call_tokens=args.ingress.max_call_tokens)
+        scorer, checkpoint, **ingress_kwargs)
     log.info("built laya-fleet app: checkpoint %s, backend %s, scorer %s, ingress %s", checkpoint, args.backend,
              actor, args.ingress.model_dump())
     return ingress
+
+
+def fused_config(config: dict, app_name: str | None = None) -> dict:
+    """A Serve config (as `serve run` reads it) turned to `topology: fused`, in place: the app's args get
+    `topology: fused`, its `Scorer` deployment entry goes, and that entry's `user_config` and
+    `max_ongoing_requests` (and autoscaling, if any) move to the `Ingress` entry (now the only deployment,
+    one replica per GPU). Returns `config`."""
+    for app in config["applications"]:
+        if app_name is not None and app.get("name") != app_name:
+            continue
+        app.setdefault("args", {})["topology"] = "fused"
+        deps = app.setdefault("deployments", [])
+        scorer = next((d for d in deps if d.get("name") == "Scorer"), {})
+        ingress = next((d for d in deps if d.get("name") == "Ingress"), None)
+        if ingress is None:
+            ingress = {"name": "Ingress"}
+            deps.append(ingress)
+        for key in ("user_config", "max_ongoing_requests", "max_queued_requests", "autoscaling_config",
+                    "num_replicas", "health_check_period_s"):
+            if key in scorer:
+                ingress[key] = scorer[key]
+        if "autoscaling_config" in ingress and "num_replicas" in ingress:
+            del ingress["num_replicas"]  # Serve takes one or the other
+        app["deployments"] = [d for d in deps if d.get("name") != "Scorer"]
+    return config

@@ -60,3 +60,20 @@ def test_builder_rejects_unknown_or_invalid_args():
     assert ok.scorer.gil_switch_interval_s == 0.0005 and ok.ingress.max_inflight_calls == 4
     app = build_app({"checkpoint": "/nonexistent/ckpt", "scorer": {"num_gpus": 1}})
     assert type(app).__name__ == "Application"
+
+
+@pytest.mark.parametrize("name", ["local.yaml", "prod.yaml"])
+def test_fused_config_keeps_the_scorer_settings_on_the_one_deployment(name):
+    from serve_app.app import fused_config
+
+    cfg = load_config(name)
+    scorer = dict(deployment(cfg["applications"][0], "Scorer"))
+    fused = fused_config(load_config(name))
+    ServeDeploySchema.model_validate(fused)
+    (app,) = fused["applications"]
+    assert AppArgs.model_validate(app["args"]).topology == "fused"
+    (only,) = app["deployments"]
+    assert only["name"] == "Ingress"
+    for key in ("user_config", "max_ongoing_requests", "max_queued_requests", "autoscaling_config"):
+        assert only.get(key) == scorer.get(key), key
+    assert not ("autoscaling_config" in only and "num_replicas" in only)

@@ -1,0 +1,108 @@
+"""`topology: fused`: one deployment whose replicas hold the scorer, on a real local Ray over real HTTP.
+
+The same config as configs/local.yaml with `args.topology: fused`; the Scorer entry's `user_config` moves to
+the Ingress entry (the only deployment). Answers, batching across concurrent requests, a live `reconfigure`,
+a poison request failing alone and bad input behave as in the split topology (tests/test_serve.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import random
+
+import httpx
+import pytest
+
+pytest.register_assert_rewrite("tests.serve_helpers")
+
+from .cases import WORDS, cases  # noqa: E402
+from .serve_helpers import (  # noqa: E402
+    AUTH,
+    POISON,
+    TEST_KEY_ENV,
+    app_config,
+    assert_same_result,
+    deploy,
+    deployment,
+    wait_for,
+)
+from .test_serve import QUESTIONS, _many  # noqa: E402
+
+pytest_plugins = ["tests.serve_helpers"]
+
+
+def _fused_config(checkpoint: str, port: int, **args) -> dict:
+    """configs/local.yaml pointed at the test checkpoint, as a fused app (serve_app.app.fused_config)."""
+    from serve_app.app import fused_config
+
+    cfg = fused_config(app_config(checkpoint, port, **args))
+    assert [d["name"] for d in cfg["applications"][0]["deployments"]] == ["Ingress"]
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def fused(serve_cluster, tiny_checkpoint):
+    cfg = _fused_config(tiny_checkpoint, serve_cluster["ports"]["http"], api_key_env=TEST_KEY_ENV,
+                       backend_wrapper="tests.serve_helpers:FaultInjector")
+    deploy(cfg, serve_cluster["base"], timeout=180)
+
+    class App:
+        url = serve_cluster["base"]
+        config = cfg
+
+    return App
+
+
+def _stats(url: str) -> dict:
+    r = httpx.get(url + "/stats", headers=AUTH, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_fused_app_has_one_deployment_and_answers_equal_engine_predict(fused, engine):
+    from ray import serve
+
+    st = serve.status().applications["laya"]
+    assert set(st.deployments) == {"Ingress"}
+    for states, qs in cases(8, seed=5):
+        r = httpx.post(fused.url + "/v1/systemone", json={"state": states[0], "questions": qs}, headers=AUTH,
+                       timeout=60)
+        assert r.status_code == 200, r.text
+        assert_same_result(r.json(), engine.predict(states[0], qs))
+    s = _stats(fused.url)
+    assert s["requests"] > 0 and s["ingress"]["scorer_calls"] > 0  # the scorer in this replica counted them
+
+
+def test_fused_concurrent_requests_share_batches_and_a_poison_request_fails_alone(fused, engine):
+    rng = random.Random(7)
+    states = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 30))) for _ in range(48)]
+    states[5] = POISON + " " + states[5]
+    before = _stats(fused.url)
+    rs = asyncio.run(_many(fused.url + "/v1/systemone", [{"state": s, "questions": QUESTIONS} for s in states]))
+    assert rs[5].status_code == 500 and "inference failed" in rs[5].text
+    for i, (r, s) in enumerate(zip(rs, states)):
+        if i != 5:
+            assert r.status_code == 200, r.text
+            assert_same_result(r.json(), engine.predict(s, QUESTIONS))
+    after = _stats(fused.url)
+    assert after["max_batch_requests"] > 1 and after["batches"] - before["batches"] < 48
+
+
+def test_fused_reconfigure_applies_the_batching_policy_live(fused):
+    cfg = copy.deepcopy(fused.config)
+    policy = {"max_batch_tokens": 2048, "max_batch_rows": None, "batch_wait_timeout_s": 0.0}
+    deployment(cfg["applications"][0], "Ingress")["user_config"] = policy
+    deploy(cfg)
+    wait_for(lambda: _stats(fused.url)["budget"] == 2048, 60, what="budget 2048")
+    deploy(fused.config)
+    wait_for(lambda: _stats(fused.url)["budget"] == 8192, 60, what="budget back to 8192")
+
+
+def test_fused_bad_input_is_refused_with_a_message(fused):
+    r = httpx.post(fused.url + "/v1/systemone", content=b"{not json", headers=dict(AUTH, **{
+        "content-type": "application/json"}), timeout=30)
+    assert r.status_code == 400 and "valid JSON" in r.text
+    r = httpx.post(fused.url + "/v1/systemone", json={"state": "x", "questions": QUESTIONS}, timeout=30)
+    assert r.status_code == 401
+    assert httpx.get(fused.url + "/ready", timeout=30).json()["ready"] is True
