@@ -124,9 +124,9 @@ def build_app(args: AppArgs) -> Application:
 
 def fused_config(config: dict, app_name: str | None = None) -> dict:
     """A Serve config (as `serve run` reads it) turned to `topology: fused`, in place: the app's args get
-    `topology: fused`, its `Scorer` deployment entry goes, and that entry's `user_config` and
-    `max_ongoing_requests` (and autoscaling, if any) move to the `Ingress` entry (now the only deployment,
-    one replica per GPU). Returns `config`."""
+    `topology: fused`, its `Scorer` deployment entry goes, and that entry's `user_config`, request limits,
+    health check period and replica count (`num_replicas` or `autoscaling_config`, replacing the ingress's own)
+    move to the `Ingress` entry (now the only deployment, one replica per GPU). Returns `config`."""
     for app in config["applications"]:
         if app_name is not None and app.get("name") != app_name:
             continue
@@ -137,11 +137,12 @@ def fused_config(config: dict, app_name: str | None = None) -> dict:
         if ingress is None:
             ingress = {"name": "Ingress"}
             deps.append(ingress)
+        if "num_replicas" in scorer or "autoscaling_config" in scorer:
+            for key in ("num_replicas", "autoscaling_config"):  # the replica count is the scorer's (one per GPU)
+                ingress.pop(key, None)
         for key in ("user_config", "max_ongoing_requests", "max_queued_requests", "autoscaling_config",
                     "num_replicas", "health_check_period_s"):
             if key in scorer:
                 ingress[key] = scorer[key]
-        if "autoscaling_config" in ingress and "num_replicas" in ingress:
-            del ingress["num_replicas"]  # Serve takes one or the other
         app["deployments"] = [d for d in deps if d.get("name") != "Scorer"]
     return config

@@ -77,3 +77,10 @@ def test_fused_config_keeps_the_scorer_settings_on_the_one_deployment(name):
     for key in ("user_config", "max_ongoing_requests", "max_queued_requests", "autoscaling_config"):
         assert only.get(key) == scorer.get(key), key
     assert not ("autoscaling_config" in only and "num_replicas" in only)
+    # a fixed scorer count replaces an autoscaled ingress (one replica per GPU either way)
+    cfg = load_config("prod.yaml")
+    app = cfg["applications"][0]
+    deployment(app, "Scorer").pop("autoscaling_config")
+    deployment(app, "Scorer")["num_replicas"] = 2
+    (only,) = fused_config(cfg)["applications"][0]["deployments"]
+    assert only["num_replicas"] == 2 and "autoscaling_config" not in only
