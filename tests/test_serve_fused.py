@@ -90,6 +90,11 @@ def test_fused_concurrent_requests_share_batches_and_a_poison_request_fails_alon
 
 
 def test_fused_reconfigure_applies_the_batching_policy_live(fused):
+    r = httpx.post(fused.url + "/v1/systemone", json={"state": "one request first", "questions": QUESTIONS},
+                   headers=AUTH, timeout=60)
+    assert r.status_code == 200, r.text
+    served = _stats(fused.url)["requests"]
+    assert served > 0
     cfg = copy.deepcopy(fused.config)
     policy = {"max_batch_tokens": 2048, "max_batch_rows": None, "batch_wait_timeout_s": 0.0}
     deployment(cfg["applications"][0], "Ingress")["user_config"] = policy
@@ -97,6 +102,7 @@ def test_fused_reconfigure_applies_the_batching_policy_live(fused):
     wait_for(lambda: _stats(fused.url)["budget"] == 2048, 60, what="budget 2048")
     deploy(fused.config)
     wait_for(lambda: _stats(fused.url)["budget"] == 8192, 60, what="budget back to 8192")
+    assert _stats(fused.url)["requests"] >= served  # the same replica: reconfigured, not restarted
 
 
 def test_fused_bad_input_is_refused_with_a_message(fused):
