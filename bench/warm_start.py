@@ -160,6 +160,7 @@ def child(spec: dict) -> dict:
     out["inductor"] = {k: v for k, v in counters["inductor"].items() if "cache" in k}
     if hasattr(engine.backend, "precompile_state"):  # compile: did the saved graph load, and did its guards hold
         out["precompile"] = {"state": engine.backend.precompile_state, "misses": engine.backend.precompile_misses}
+        out["regional"] = bool(getattr(engine.backend, "regional", False))
     print("\nPARTIAL " + json.dumps(out), flush=True)  # what a timed-out child still reports
     if spec.get("peak"):
         out["peak"] = _peak(engine, *spec["peak"])
@@ -284,7 +285,9 @@ def _fmt(row: dict) -> str:
     acc_s = ("dp %.4f act %.4f agree %.3f" % (acc["max_dp"], acc["max_dp_act"], acc["argmax_agree"])) if acc else ""
     tgt = ("<= %.0f %s" % (row["target_s"], "ok" if row["meets_target"] else "MISS")) if "target_s" in row else ""
     pre = row.get("precompile")
-    if pre:
+    if row.get("regional"):
+        acc_s += " | regional, %s graphs" % row.get("graphs_at_ready")
+    elif pre:
         acc_s += " | precompile %s, guard misses %s" % (pre["state"], pre.get("misses_after_checks", pre["misses"]))
     return "%-22s %7.1f %6.1f %6.1f %7.1f  %-10s %-28s %-22s %s" % (
         row["name"], row["ready_s"], row["import_s"], row["load_s"], row["warmup_s"], tgt, seeded, pub, acc_s)
