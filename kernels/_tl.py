@@ -97,24 +97,7 @@ def compile_func(build: Callable[[], Any] | Any, name: str, fast_math: bool = Fa
     return kernel
 
 
-_CODE_HASH: str | None = None
 INDEX_DIR = "laya_index"
-
-
-def _code_hash() -> str:
-    """sha256 of this package's kernel sources: a changed builder must never load an old kernel."""
-    global _CODE_HASH
-    if _CODE_HASH is None:
-        import hashlib
-
-        h = hashlib.sha256()
-        here = os.path.dirname(os.path.abspath(__file__))
-        for f in sorted(os.listdir(here)):
-            if f.endswith(".py"):
-                with open(os.path.join(here, f), "rb") as fh:
-                    h.update(f.encode() + b"\0" + fh.read())
-        _CODE_HASH = h.hexdigest()
-    return _CODE_HASH
 
 
 def index_path(name: str, tgt: dict, fast_math: bool) -> str:
@@ -122,8 +105,11 @@ def index_path(name: str, tgt: dict, fast_math: bool) -> str:
     math, tilelang version and the kernel sources, so it travels with the kernels it points at."""
     import hashlib
 
+    from model.cache import code_fingerprint  # kernels/*.py: a changed builder never loads an old kernel
+
     tilelang, _ = tl()
-    key = json.dumps([name, tgt, bool(fast_math), tilelang.__version__, _code_hash()], sort_keys=True)
+    key = json.dumps([name, tgt, bool(fast_math), tilelang.__version__, code_fingerprint("kernels")],
+                     sort_keys=True)
     root = os.environ.get("TILELANG_CACHE_DIR") or os.path.expanduser("~/.tilelang/cache")
     return os.path.join(root, INDEX_DIR, hashlib.sha256(key.encode()).hexdigest()[:40] + ".json")
 

@@ -21,6 +21,7 @@ Two tiers (docs/caching.md has the whole story):
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import json
 import logging
@@ -163,14 +164,16 @@ def versions() -> dict[str, str]:
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Source files whose changes change what gets compiled (graphs, packages, kernels), per kind.
 CODE_FILES = {
-    "model": ("model/network.py", "model/bundle.py", "model/backends/compiled.py"),
+    "model": ("model/network.py", "model/native.py", "model/bundle.py", "model/backends/compiled.py"),
     "kernels": ("kernels/*.py",),
 }
 
 
+@functools.cache
 def code_fingerprint(group: str = "model") -> str:
     """12 hex digits of sha256 over the sources that shape compiled artifacts (`model` or `kernels`), so a
-    code change gets fresh artifacts instead of seeding stale ones that miss and never get republished."""
+    code change gets fresh artifacts instead of seeding stale ones that miss and never get republished.
+    Computed once per process (the sources a process runs do not change under it)."""
     import glob
 
     h = hashlib.sha256()

@@ -192,23 +192,25 @@ class _RegionalStep:
     attention) whatever the depth. Embeddings, masks, RoPE tables, the final norm and the decision head run
     eagerly around them. Inputs are passed as multiple-of-16 views with rows and tokens/16 dynamic."""
 
-    def __init__(self):
-        self.fn = torch.compile(_aligned_layer_step, fullgraph=True, dynamic=False)
+    def __init__(self, mode: str | None = None):
+        self.fn = torch.compile(_aligned_layer_step, fullgraph=True, dynamic=False, mode=mode)
+        self._kinds: set[tuple[bool, bool]] = set()  # kinds of layer whose graph exists (marks only until then)
 
     def __call__(self, h, cos, sin, mask, p, eps, heads, head_dim):
         B, L, d = h.shape
         t = L // ALIGN
         h4 = h.view(B, t, ALIGN, d)
         cos3, sin3 = cos.view(t, ALIGN, -1), sin.view(t, ALIGN, -1)
-        if mask.shape[2] == 1:
-            m = mask.view(B, 1, 1, t, ALIGN)
-            dims = (0, 3)
-        else:
-            m = mask.view(B, 1, t, ALIGN, t, ALIGN)
-            dims = (0, 2, 4)
-        for x, ds in ((h4, (0, 1)), (cos3, (0,)), (sin3, (0,)), (m, dims)):
-            for dim in ds:
-                torch._dynamo.maybe_mark_dynamic(x, dim)
+        full = mask.shape[2] == 1
+        m = mask.view(B, 1, 1, t, ALIGN) if full else mask.view(B, 1, t, ALIGN, t, ALIGN)
+        kind = (full, p[0] is None)
+        if kind not in self._kinds:  # the call that compiles this kind's graph: rows and tokens/16 dynamic
+            for x, ds in ((h4, (0, 1)), (cos3, (0,)), (sin3, (0,)), (m, (0, 3) if full else (0, 2, 4))):
+                for dim in ds:
+                    torch._dynamo.maybe_mark_dynamic(x, dim)
+            out = self.fn(h4, cos3, sin3, m, p, eps, heads, head_dim)
+            self._kinds.add(kind)
+            return out
         return self.fn(h4, cos3, sin3, m, p, eps, heads, head_dim)
 
 
@@ -251,7 +253,7 @@ class CompileBackend(_Padded):
             log.warning("compile backend: regional compilation needs the native encoder; compiling the whole model")
             self.regional = False
         if self.regional:
-            self.model.encoder.step = _RegionalStep()
+            self.model.encoder.step = _RegionalStep(mode)
             self._compiled = None
         else:
             self._compiled = self._compile(fullgraph)
@@ -375,15 +377,11 @@ class CompileBackend(_Padded):
             from torch._dynamo.aot_compile import ModelInput  # noqa: F401 - experimental, torch >= 2.10 or so
         except ImportError:
             return None
-        # the saved graph is our traced code: a change to the model's or this module's source must not load a
-        # graph of the old code (the inductor cache key knows checkpoint, versions and arch, not our code)
-        code = hashlib.sha256()
-        for name in ("native.py", "network.py", os.path.join("backends", "compiled.py")):
-            with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), name), "rb") as fh:
-                code.update(fh.read())
+        # the saved graph is our traced code: the inductor artifact dir is keyed by the model sources already
+        # (cache.code_fingerprint); the name repeats it for an inductor dir set by hand
         key = json.dumps([torch.__version__, self.device.type, str(self.autocast), str(self._param_dtype()),
                           self.min_rows, self.t_max, self.k_max, MIN_TOKENS, MIN_MARKERS, INDUCTOR_CONFIG,
-                          code.hexdigest()])
+                          _cache.code_fingerprint("model")])
         return os.path.join(root, "laya_precompiled", hashlib.sha256(key.encode()).hexdigest()[:32] + ".bin")
 
     def _param_dtype(self) -> torch.dtype:
