@@ -534,7 +534,7 @@ class LocalScorer:
 class FusedIngress(Ingress.func_or_class):
     """The ingress with its scorer in the same replica (`topology: fused`): one replica per GPU serves HTTP,
     tokenizes, batches and runs the model, so a request crosses no process after Serve's HTTP entry (on the
-    CPU machine the ingress -> scorer hop alone is ~1.25 ms of a 2 ms no-work floor). The scorer is the same
+    CPU machine one request with the forward skipped: 1.1 ms fused, 2.6 ms split). The scorer is the same
     `ScorerDeployment` class as in the split topology, built here; this replica takes its `user_config`
     (`reconfigure`), health check and autoscaling metric. The price: tokenizing shares the replica's GIL with
     the forward thread, and HTTP handling scales with GPUs rather than with CPU replicas."""
