@@ -126,8 +126,12 @@ def fused_config(config: dict, app_name: str | None = None) -> dict:
     """A Serve config (as `serve run` reads it) turned to `topology: fused`, in place: the app's args get
     `topology: fused`, its `Scorer` deployment entry goes, and that entry's `user_config`, request limits,
     health check period and replica count (`num_replicas` or `autoscaling_config`, replacing the ingress's own)
-    move to the `Ingress` entry (now the only deployment, one replica per GPU). Returns `config`."""
-    for app in config["applications"]:
+    move to the `Ingress` entry (now the only deployment, one replica per GPU). Returns `config`; ValueError
+    for anything that is not a Serve config with an applications list."""
+    apps = config.get("applications") if isinstance(config, dict) else None
+    if not isinstance(apps, list) or not all(isinstance(a, dict) for a in apps):
+        raise ValueError("fused_config needs a Serve config with an 'applications' list (as `serve run` reads it)")
+    for app in apps:
         if app_name is not None and app.get("name") != app_name:
             continue
         app.setdefault("args", {})["topology"] = "fused"

@@ -84,3 +84,11 @@ def test_fused_config_keeps_the_scorer_settings_on_the_one_deployment(name):
     deployment(app, "Scorer")["num_replicas"] = 2
     (only,) = fused_config(cfg)["applications"][0]["deployments"]
     assert only["num_replicas"] == 2 and "autoscaling_config" not in only
+
+
+def test_fused_config_refuses_what_is_not_a_serve_config():
+    from serve_app.app import fused_config
+
+    for bad in ({}, {"applications": "laya"}, {"applications": [1]}, []):
+        with pytest.raises(ValueError, match="applications"):
+            fused_config(bad)
