@@ -84,6 +84,34 @@ def _probs(logits):
     return e / e.sum(1, keepdims=True)
 
 
+CALL_SHAPES = ((1, 83), (3, 83), (30, 512))  # rows x tokens: one decision, one request, a large batch
+
+
+def _call_times(engine, repeats: int = 20) -> dict:
+    """Median and best wall ms of one engine.score call per CALL_SHAPES entry (after 3 unmeasured calls each):
+    what a ready replica's forward costs, to compare backends (and regional against whole-graph compile)."""
+    import statistics
+
+    import torch
+
+    out = {}
+    vocab = len(engine.bundle.tokenizer)
+    for n, L in CALL_SHAPES:
+        L = min(L, engine.bundle.max_len)
+        rows = _random_rows(n, L, vocab, seed=n)
+        rows = [type(r)(r.ids + [5] * (L - len(r.ids)), r.markers, r.qtype) for r in rows]  # exactly L tokens
+        times = []
+        for i in range(3 + repeats):
+            if engine.device.type == "cuda":
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            engine.score(rows)  # returns host arrays: the call includes the device sync
+            if i >= 3:
+                times.append((time.perf_counter() - t) * 1000.0)
+        out["%dx%d" % (n, L)] = {"median": round(statistics.median(times), 3), "best": round(min(times), 3)}
+    return out
+
+
 def _peak(engine, rows: int, tokens: int) -> dict:
     """Peak allocated GPU memory above the resting level for one forward of rows x tokens (second call);
     on CPU only the call times (peak_mib None: no allocator statistics there)."""
@@ -162,6 +190,9 @@ def child(spec: dict) -> dict:
         out["precompile"] = {"state": engine.backend.precompile_state, "misses": engine.backend.precompile_misses}
         out["regional"] = bool(getattr(engine.backend, "regional", False))
     print("\nPARTIAL " + json.dumps(out), flush=True)  # what a timed-out child still reports
+    if spec.get("timing"):
+        out["call_ms"] = _call_times(engine)
+        _progress(out, "calls timed")
     if spec.get("peak"):
         out["peak"] = _peak(engine, *spec["peak"])
         _progress(out, "peak measured")
@@ -443,6 +474,7 @@ def main(argv=None) -> int:
             extra.update(acc)
         if item == "regional":
             extra.update(opts)
+        extra["timing"] = True
         add(run_row(args, "%s warm" % item, backend, "warm", shared, d(item, "node2"), row_deadline(), **extra))
     if background is not None:
         add(finish_row(background))
@@ -457,6 +489,14 @@ def main(argv=None) -> int:
         print("32x%d forward, %-22s peak %s%s, call %.3fs (first %.1fs)" % (
             r["peak"]["tokens"], name, "n/a" if mib is None else "%.0f MiB" % mib,
             "" if eager is None else " (eager %.0f MiB)" % eager, r["peak"]["call_s"], r["peak"]["first_call_s"]))
+    timed = [r for r in result["rows"] if r.get("call_ms")]
+    if timed:
+        shapes = list(timed[0]["call_ms"])
+        print("per call, ms (median / best of 20): " + "  ".join("%14s" % s for s in shapes))
+        for r in timed:
+            print("  %-31s" % r["name"] + "  ".join("%14s" % ("%.2f / %.2f" % (r["call_ms"][s]["median"],
+                                                                             r["call_ms"][s]["best"]))
+                                                   for s in shapes))
     print("wrote %s%s (%.0fs)" % (out_json, " and " + png if png else "", result["total_s"]), flush=True)
     if not args.work:
         shutil.rmtree(work, ignore_errors=True)
