@@ -505,6 +505,19 @@ def scorer_stats(base: str, headers: dict | None) -> dict | None:
         return None
 
 
+def fused_stats(urls: list[str], headers: dict | None) -> dict | None:
+    """The sum of every fused replica's own scorer counters (`/stats` on each direct-ingress URL answers for
+    the scorer inside that replica); None when any replica does not answer."""
+    parts = [scorer_stats(u, headers) for u in urls]
+    if not parts or any(p is None for p in parts):
+        return None
+    out = {k: sum(p.get(k, 0) for p in parts) for k in ("batches", "requests", "forward_s", "engine_s")}
+    out["mean_queue_wait_ms"] = (sum(p.get("mean_queue_wait_ms", 0.0) * p["requests"] for p in parts)
+                                 / max(1, out["requests"]))
+    out["replicas"] = len(parts)
+    return out
+
+
 def batching_delta(before: dict | None, after: dict | None, seconds: float) -> dict | None:
     """What the scorer did between two /stats snapshots: batches, requests per batch, forward time."""
     if not before or not after:
@@ -516,6 +529,7 @@ def batching_delta(before: dict | None, after: dict | None, seconds: float) -> d
     waited = (after.get("mean_queue_wait_ms", 0.0) * after["requests"]
               - before.get("mean_queue_wait_ms", 0.0) * before["requests"])
     return {"batches": batches, "requests": reqs, "requests_per_batch": round(reqs / max(1, batches), 2),
+            "replicas": after.get("replicas", 1),
             "forward_ms_per_batch": round(1000.0 * fwd / max(1, batches), 3),
             "forward_busy": round(fwd / max(seconds, 1e-9), 3),
             "engine_ms_per_batch": round(1000.0 * eng / max(1, batches), 3),
@@ -523,22 +537,28 @@ def batching_delta(before: dict | None, after: dict | None, seconds: float) -> d
 
 
 def run_server(server: Server, payloads: list[dict], levels: list[int], duration: float, warmup: float,
-               headers: dict | None, client_procs: int = 1, cpu: bool = False) -> list[dict]:
+               headers: dict | None, client_procs: int = 1, cpu: bool = False, fused: bool = False) -> list[dict]:
     """All levels against one server; prints each row as it completes (with Serve processes' CPU when `cpu`,
-    and the scorer's batches and forward time where the server has `/stats`)."""
+    and the scorer's batches and forward time where the server has `/stats`: summed over every replica's
+    own scorer when `fused` with direct ingress, else whichever scorer replica answers)."""
     urls = getattr(server, "urls", None)
+    if fused and urls:
+        def stats(_base, hdr):
+            return fused_stats(urls, hdr)
+    else:
+        stats = scorer_stats
     url = [u + "/v1/systemone" for u in urls] if urls else server.url + "/v1/systemone"
     rows = []
     pids = serve_pids() if cpu else {}
     for n in levels:
         procs = 1 if n < 32 else client_procs
-        s0 = scorer_stats(server.url, headers)
+        s0 = stats(server.url, headers)
         t0, c0 = time.monotonic(), cpu_seconds(pids)
         row = load_level(url, payloads, n, duration, warmup, headers, procs)
         took = time.monotonic() - t0
         if pids:
             row["cpu_cores"] = cpu_share(pids, c0, cpu_seconds(pids), took)
-        scorer = batching_delta(s0, scorer_stats(server.url, headers), took)
+        scorer = batching_delta(s0, stats(server.url, headers), took)
         if scorer:
             row["scorer"] = scorer
         row["client_procs"] = procs
@@ -553,9 +573,10 @@ def print_row(name: str, r: dict) -> None:
     cpu = " ".join("%s=%.2f" % kv for kv in r.get("cpu_cores", {}).items())
     sc = r.get("scorer")
     if sc:
-        cpu += "  batch: %.1f req, forward %.2f ms (model %.2f), busy %.0f%%, queue %.1f ms" % (
+        cpu += "  batch: %.1f req, forward %.2f ms (model %.2f), busy %.0f%%%s, queue %.1f ms" % (
             sc["requests_per_batch"], sc["forward_ms_per_batch"], sc["engine_ms_per_batch"],
-            100 * sc["forward_busy"], sc["queue_wait_ms"])
+            100 * sc["forward_busy"], " (sum of %d)" % sc["replicas"] if sc.get("replicas", 1) > 1 else "",
+            sc["queue_wait_ms"])
     if "scorer_call_ms" in r:
         cpu += "  call/outside p50 %.1f/%.1f ms" % (r["scorer_call_ms"]["p50"], r["outside_call_ms"]["p50"])
     print("%-20s %7d %8d %9.1f %9.1f %9.1f %9.1f  %s  %s" % (name, r["clients"], r["requests"], r["rps"], r["p50_ms"],
@@ -718,7 +739,7 @@ def main(argv: list[str] | None = None) -> int:
                                      extra_env=xenv) as srv:
                         srv.name = "serve floor (no work)" + suffix
                         results[srv.name] = run_server(srv, payloads, levels, args.duration, args.warmup, None,
-                                                       procs, cpu=True)
+                                                       procs, cpu=True, fused=topology == "fused")
                 if args.skip_forward:
                     cfg = fleet_config(args.checkpoint, args.backend, args.device, free_port(), args.replicas,
                                        ingress, args.max_batch_tokens, gpus, args.ingress_inflight,
@@ -732,7 +753,7 @@ def main(argv: list[str] | None = None) -> int:
                                      extra_env=xenv) as srv:
                         srv.name = "laya-fleet, forward skipped" + suffix
                         results[srv.name] = run_server(srv, payloads, levels, args.duration, args.warmup, None,
-                                                       procs, cpu=True)
+                                                       procs, cpu=True, fused=topology == "fused")
                 if not args.upstream_only:
                     cfg = fleet_config(args.checkpoint, args.backend, args.device, free_port(), args.replicas,
                                        ingress, args.max_batch_tokens, gpus, args.ingress_inflight,
@@ -748,7 +769,7 @@ def main(argv: list[str] | None = None) -> int:
                         answers[srv.name] = sample_answers((srv.urls or [srv.url])[0] + "/v1/systemone",
                                                            payloads[:16])
                         results[srv.name] = run_server(srv, payloads, levels, args.duration, args.warmup, None,
-                                                       procs, cpu=True)
+                                                       procs, cpu=True, fused=topology == "fused")
         finally:
             if cluster:
                 cluster.stop()
