@@ -17,6 +17,7 @@ benchmark. Replicas draining on scale-down keep answering for
 
 from __future__ import annotations
 
+import http.client
 import os
 import time
 import urllib.request
@@ -35,7 +36,7 @@ def _answers(host: str, port: int, path: str) -> bool:
     try:
         with urllib.request.urlopen("http://%s:%d%s" % (host, port, path), timeout=2) as r:
             return r.status == 200
-    except OSError:
+    except (OSError, http.client.HTTPException):  # not listening, or another server (gRPC) on that port
         return False
 
 
