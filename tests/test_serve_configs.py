@@ -74,7 +74,8 @@ def test_fused_config_keeps_the_scorer_settings_on_the_one_deployment(name):
     assert AppArgs.model_validate(app["args"]).topology == "fused"
     (only,) = app["deployments"]
     assert only["name"] == "Ingress"
-    for key in ("user_config", "max_ongoing_requests", "max_queued_requests", "autoscaling_config"):
+    for key in ("user_config", "max_ongoing_requests", "max_queued_requests", "autoscaling_config",
+                "health_check_timeout_s", "graceful_shutdown_timeout_s"):
         assert only.get(key) == scorer.get(key), key
     assert not ("autoscaling_config" in only and "num_replicas" in only)
     # a fixed scorer count replaces an autoscaled ingress (one replica per GPU either way)
@@ -92,3 +93,46 @@ def test_fused_config_refuses_what_is_not_a_serve_config():
     for bad in ({}, {"applications": "laya"}, {"applications": [1]}, []):
         with pytest.raises(ValueError, match="applications"):
             fused_config(bad)
+
+
+def test_fused_config_shares_each_gpu_between_replicas():
+    from serve_app.app import fused_config
+
+    cfg = fused_config(load_config("prod.yaml"), replicas_per_gpu=2, gil_switch_interval_s=0.0001,
+                       direct_ingress=True)
+    ServeDeploySchema.model_validate(cfg)
+    (app,) = cfg["applications"]
+    args = AppArgs.model_validate(app["args"])
+    assert args.scorer.num_gpus == 0.5 and args.scorer.num_cpus == 2 and args.scorer.gil_switch_interval_s == 0.0001
+    (only,) = app["deployments"]
+    scorer_auto = deployment(load_config("prod.yaml")["applications"][0], "Scorer")["autoscaling_config"]
+    assert only["autoscaling_config"]["min_replicas"] == 2 * scorer_auto["min_replicas"]
+    assert only["autoscaling_config"]["max_replicas"] == 2 * scorer_auto["max_replicas"]
+    assert app["runtime_env"]["env_vars"]["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1"
+    local = load_config("local.yaml")
+    deployment(local["applications"][0], "Scorer")["num_replicas"] = 1
+    (only,) = fused_config(local, replicas_per_gpu=3)["applications"][0]["deployments"]
+    assert only["num_replicas"] == 3
+    for bad in (0, 1.5, -1):
+        with pytest.raises(ValueError, match="replicas_per_gpu"):
+            fused_config(load_config("prod.yaml"), replicas_per_gpu=bad)
+
+
+def test_prod_fused_yaml_is_what_the_generator_makes_of_prod_yaml(monkeypatch, capsys):
+    """configs/prod-fused.yaml is generated (its header says how): it must not drift from prod.yaml."""
+    import os
+
+    from serve_app.app import main
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    monkeypatch.chdir(root)
+    with open(os.path.join(root, "configs", "prod-fused.yaml"), encoding="utf-8") as fh:
+        committed = fh.read()
+    cmd = committed.split("`")[1].split()  # the command in the header's first line
+    assert cmd[:3] == ["python", "-m", "serve_app.app"]
+    assert main(cmd[3:]) == 0
+    assert capsys.readouterr().out == committed, "regenerate configs/prod-fused.yaml: " + " ".join(cmd)
+    cfg = load_config("prod-fused.yaml")
+    ServeDeploySchema.model_validate(cfg)
+    args = AppArgs.model_validate(cfg["applications"][0]["args"])
+    assert args.topology == "fused" and args.scorer.num_gpus == 0.5 and args.api_key_env == "LAYA_FLEET_API_KEY"
