@@ -8,9 +8,12 @@ them in-process with the same results as upstream `laya` 0.4.15.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import threading
 import warnings
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +30,21 @@ LIGHT_ENV = "LAYA_FLEET_FAST_LIGHT_MODEL"  # "0": the fast backend reads weights
 NATIVE_ENV = "LAYA_FLEET_COMPILE_NATIVE"  # "0": the compile backend compiles transformers' ModernBertModel
 
 log = logging.getLogger(__name__)
+
+PREPARED_CACHE_SIZE = 256           # question sets kept prepared (validated, heads tokenized) per engine
+PREPARED_CACHE_MAX_KEY = 64 * 1024  # larger question sets are prepared on every call, not cached
+
+
+def _prepared_key(questions: Any) -> str | None:
+    """The question set's JSON text when it is plain JSON data that survives a round trip unchanged (so equal
+    texts mean equal question sets: no int keys turned to strings, no tuples, no objects), else None."""
+    try:
+        text = json.dumps(questions, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError, RecursionError):
+        return None
+    if len(text) > PREPARED_CACHE_MAX_KEY or json.loads(text) != questions:
+        return None
+    return text
 
 
 @dataclass(frozen=True)
@@ -59,6 +77,8 @@ class Engine:
         self.builder = SequenceBuilder(bundle.tokenizer, bundle.max_len, bundle.head_max_len)
         self.temperatures = _decode.Temperatures(bundle.cfg, bundle.path)
         self._hash: str | None = None
+        self._prepared: OrderedDict[tuple, Prepared] = OrderedDict()
+        self._prepared_lock = threading.Lock()
 
     # -- facts --------------------------------------------------------------------------------
     @property
@@ -85,15 +105,32 @@ class Engine:
 
     # -- stages -------------------------------------------------------------------------------
     def prepare(self, questions: Any, max_len: int | None = None, head_max_len: int | None = None) -> Prepared:
-        """Validate and normalise a question set and build its heads; ValueError names a bad question."""
+        """Validate and normalise a question set and build its heads; ValueError names a bad question.
+
+        Remembered per question set and budgets (the last PREPARED_CACHE_SIZE; clients repeat their question
+        sets), for question sets of plain JSON data; an invalid set is never remembered."""
+        plain = all(v is None or (isinstance(v, int) and not isinstance(v, bool)) for v in (max_len, head_max_len))
+        text = _prepared_key(questions) if plain else None
+        key = None if text is None else (text, max_len, head_max_len)
+        if key is not None:
+            with self._prepared_lock:
+                hit = self._prepared.get(key)
+                if hit is not None:
+                    self._prepared.move_to_end(key)
+                    return hit
         qs = validate_questions(questions)
         ml = _check_budget("max_len", max_len) or self.bundle.max_len
         hml = _check_budget("head_max_len", head_max_len) or self.bundle.head_max_len
         if ml > self.backend.max_tokens_per_row:
             raise ValueError("max_len=%d is longer than this backend supports (%d tokens per row)"
                              % (ml, self.backend.max_tokens_per_row))
-        heads = tuple(self.builder.head(q, hml) for q in qs)
-        return Prepared(tuple(qs), heads, ml, hml)
+        prepared = Prepared(tuple(qs), tuple(self.builder.head(q, hml) for q in qs), ml, hml)
+        if key is not None:
+            with self._prepared_lock:
+                self._prepared[key] = prepared
+                while len(self._prepared) > PREPARED_CACHE_SIZE:
+                    self._prepared.popitem(last=False)
+        return prepared
 
     def encode(self, state: Any, prepared: Prepared, state_ids: list[int] | None = None) -> EncodedState:
         """Rows for one state (TypeError for a None state; ValueError if options do not fit)."""

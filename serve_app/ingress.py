@@ -13,9 +13,7 @@ import json
 import logging
 import os
 import re
-import threading
 import time
-from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -34,8 +32,6 @@ from .coalesce import CallCoalescer
 log = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1
-PREPARED_CACHE_SIZE = 256           # question sets kept prepared (validated, heads tokenized) per replica
-PREPARED_CACHE_MAX_KEY = 64 * 1024  # larger question sets are prepared per request, not cached
 ROUTES = ("/v1/systemone", "/v1/systemone/batch")
 
 
@@ -225,8 +221,6 @@ class Ingress:
         self._pool = ThreadPoolExecutor(max(1, int(cpu_threads)), thread_name_prefix="laya-ingress")
         self._calls = CallCoalescer(self._score_many, max_inflight=max_inflight_calls,
                                     max_call_tokens=max_call_tokens)
-        self._prepared: OrderedDict[tuple, Any] = OrderedDict()
-        self._prepared_lock = threading.Lock()
         self._last_score_ok = 0.0
         self._m = {n: metrics.make(n) for n in ("laya_fleet_requests", "laya_fleet_request_latency_ms",
                                                  "laya_fleet_ingress_warmup_seconds")}
@@ -330,25 +324,8 @@ class Ingress:
         raise HTTPError(503, "scorer unavailable, try again later", {"Retry-After": str(RETRY_AFTER_S)})
 
     def _prepare(self, questions, budget):
-        """`codec.prepare`, remembered per question set and budget (clients repeat their question sets)."""
-        try:
-            key = (json.dumps(questions, ensure_ascii=False, separators=(",", ":")),
-                   budget.get("max_len"), budget.get("head_max_len"))
-        except (TypeError, ValueError):
-            key = None
-        if key is None or len(key[0]) > PREPARED_CACHE_MAX_KEY:
-            return self.codec.prepare(questions, **budget)
-        with self._prepared_lock:
-            hit = self._prepared.get(key)
-            if hit is not None:
-                self._prepared.move_to_end(key)
-                return hit
-        prepared = self.codec.prepare(questions, **budget)  # ValueError (invalid question) is not cached
-        with self._prepared_lock:
-            self._prepared[key] = prepared
-            while len(self._prepared) > PREPARED_CACHE_SIZE:
-                self._prepared.popitem(last=False)
-        return prepared
+        """`codec.prepare`: remembered per question set and budget by the Engine itself."""
+        return self.codec.prepare(questions, **budget)
 
     # -- the work (CPU, off the event loop for large requests) --------------------------------
     def _encode_one(self, state, questions, budget):

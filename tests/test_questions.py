@@ -97,3 +97,33 @@ def test_normalisation():
     s = validate_question("s", {"type": "score", "instructions": "x", "criteria": ["lo", {"d": 1}]})
     assert s.options == ("level 0: lo", 'level 1: {"d": 1}')
     assert s.legend == ("lo", '{"d": 1}')
+
+
+def test_prepared_question_sets_are_remembered_only_when_equal_text_means_equal_sets(engine):
+    """Engine.prepare keeps the last question sets it prepared (clients repeat theirs), keyed by their JSON
+    text: only where that text identifies the set (plain JSON data that round-trips unchanged)."""
+    import model.engine as me
+
+    q = {"intent": {"type": "choice", "instructions": "What?", "criteria": {"a": "x", "b": "y"}}}
+    p1 = engine.prepare(q)
+    assert engine.prepare({"intent": dict(q["intent"])}) is p1  # an equal set, a new dict
+    assert engine.prepare(q, max_len=64) is not p1  # budgets are part of the key
+    # the caller's dict changed after a call: the next call sees the change
+    q["intent"]["criteria"]["c"] = "z"
+    assert engine.prepare(q).questions[0].keys == ("a", "b", "c")
+    # {1: ...} and {"1": ...} have the same JSON text but answer under different ids: never shared
+    one = {"type": "noul", "instructions": "Yes?"}
+    s, i = engine.prepare({"1": one}), engine.prepare({1: one})
+    assert s.questions[0].qid == "1" and i.questions[0].qid == 1
+    assert engine.predict("some state", {1: one})["answers"].keys() == {1}
+    # an invalid set raises every time, and bad budgets are still refused
+    bad = {"x": {"type": "choice", "instructions": "?", "criteria": ["a", "a"]}}
+    for _ in range(2):
+        with pytest.raises(ValueError, match="question 'x'"):
+            engine.prepare(bad)
+    with pytest.raises(ValueError, match="max_len"):
+        engine.prepare(q, max_len=True)
+    # bounded
+    for k in range(me.PREPARED_CACHE_SIZE + 10):
+        engine.prepare({"q%d" % k: one})
+    assert len(engine._prepared) == me.PREPARED_CACHE_SIZE
