@@ -182,14 +182,16 @@ def fused_config(config: dict, app_name: str | None = None, replicas_per_gpu: in
     return config
 
 
-FUSED_HEADER = """\
-# Generated from {src} by `python -m serve_app.app fused {src} --replicas-per-gpu {k}{extra}`
-# (tests/test_serve_fused.py checks it still matches): `topology: fused` with {k} replicas per GPU, each
-# replica both serves HTTP (direct ingress, RAY_SERVE_ENABLE_DIRECT_INGRESS=1: put a balancer over the
-# replicas' ports, docs/serving.md) and holds a scorer, so a request makes no hop between processes.
-# H200, modernbert-large shape, 1 state x 3 questions: one request alone 4.8 ms p50, 64 clients 1101 req/s at
-# p99 86.5 ms (BENCHMARKS.md, sixth session). Edit {src}, then regenerate; comments there explain each field.
-"""
+def fused_header(src: str, command: str, replicas_per_gpu: int, direct_ingress: bool) -> str:
+    """The comment block on top of a generated fused config: where it came from and what it is."""
+    lines = ["Generated from %s by `%s`." % (src, command),
+             "`topology: fused`: one deployment whose replicas serve HTTP and hold a scorer (no process hop)%s."
+             % (", %d replicas sharing each GPU" % replicas_per_gpu if replicas_per_gpu > 1 else "")]
+    if direct_ingress:
+        lines.append("Direct ingress (RAY_SERVE_ENABLE_DIRECT_INGRESS=1): each replica serves HTTP on a port of its "
+                     "own; put a balancer over them (docs/serving.md).")
+    lines.append("Edit %s, then regenerate; the comments there explain each field." % src)
+    return "".join("# %s\n" % line for line in lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -211,9 +213,11 @@ def main(argv: list[str] | None = None) -> int:
         cfg = yaml.safe_load(fh)
     fused_config(cfg, replicas_per_gpu=a.replicas_per_gpu, gil_switch_interval_s=a.gil_switch_interval,
                  direct_ingress=a.direct_ingress)
-    extra = ("" if a.gil_switch_interval is None else " --gil-switch-interval %g" % a.gil_switch_interval) + \
-        (" --direct-ingress" if a.direct_ingress else "")
-    print(FUSED_HEADER.format(src=a.config, k=a.replicas_per_gpu, extra=extra)
+    command = "python -m serve_app.app fused %s%s%s%s" % (
+        a.config, " --replicas-per-gpu %d" % a.replicas_per_gpu if a.replicas_per_gpu != 1 else "",
+        "" if a.gil_switch_interval is None else " --gil-switch-interval %g" % a.gil_switch_interval,
+        " --direct-ingress" if a.direct_ingress else "")
+    print(fused_header(a.config, command, a.replicas_per_gpu, a.direct_ingress)
           + yaml.safe_dump(cfg, sort_keys=False, width=110), end="")
     return 0
 

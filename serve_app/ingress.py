@@ -534,5 +534,9 @@ class FusedIngress(Ingress.func_or_class):
         """The scorer's `pending_requests` (serve_app/autoscale.py)."""
         return self._local.record_autoscaling_stats()
 
+    def info(self) -> dict[str, Any]:
+        """This replica's scorer facts, counters and GPU ids (`ScorerDeployment.info`), through its handle."""
+        return self._local.info()
+
     async def __del__(self):  # pragma: no cover - replica shutdown: stop the scorer's batcher and forward thread
         await self._local.__del__()

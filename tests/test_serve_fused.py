@@ -112,3 +112,36 @@ def test_fused_bad_input_is_refused_with_a_message(fused):
     r = httpx.post(fused.url + "/v1/systemone", json={"state": "x", "questions": QUESTIONS}, timeout=30)
     assert r.status_code == 401
     assert httpx.get(fused.url + "/ready", timeout=30).json()["ready"] is True
+
+
+def test_two_fused_replicas_per_logical_gpu_both_serve(serve_cluster, tiny_checkpoint):
+    """configs/prod-fused.yaml's shape (fused_config with replicas_per_gpu=2) on the session's logical GPUs:
+    two replicas of half a GPU each, each with one GPU id and the config's GIL interval, both answering."""
+    from ray import serve
+
+    from serve_app.app import fused_config
+
+    from .serve_helpers import running_replicas
+
+    cfg = app_config(tiny_checkpoint, serve_cluster["ports"]["http"], api_key_env=TEST_KEY_ENV, device="auto",
+                     backend="auto", scorer={"num_gpus": 1, "num_cpus": 1, "torch_threads": 1})
+    fused_config(cfg, replicas_per_gpu=2, gil_switch_interval_s=0.0001)
+    (only,) = cfg["applications"][0]["deployments"]
+    assert only["num_replicas"] == 2 and cfg["applications"][0]["args"]["scorer"]["num_gpus"] == 0.5
+    deploy(cfg, serve_cluster["base"], timeout=180)
+    assert wait_for(lambda: running_replicas(deployment_name="Ingress") == 2, 120, what="2 fused replicas")
+    url = serve_cluster["base"] + "/v1/systemone"
+    rng = random.Random(3)
+    payloads = [{"state": " ".join(rng.choice(WORDS) for _ in range(20)), "questions": QUESTIONS} for _ in range(64)]
+    h = serve.get_deployment_handle("Ingress", "laya")
+
+    def both_served():
+        rs = asyncio.run(_many(url, payloads))
+        assert all(r.status_code == 200 for r in rs), [r.status_code for r in rs]
+        infos = {i["actor_name"]: i for i in (h.info.remote().result(timeout_s=30) for _ in range(16))}
+        return len(infos) == 2 and all(i["batching"]["requests"] > 0 for i in infos.values()) and infos
+
+    infos = wait_for(both_served, 90, what="both fused replicas answering")
+    for i in infos.values():
+        assert i["device"] == "cpu" and len(i["gpu_ids"]) == 1 and i["gpu_ids"] == [i["cuda_visible_devices"]]
+        assert i["gil_switch_interval_s"] == pytest.approx(0.0001)
