@@ -167,8 +167,11 @@ class FleetServer(Server):
             if direct:
                 from serve_app.direct_ingress import ingress_ports
 
-                n = next(d.get("num_replicas", 1) for d in config["applications"][0]["deployments"]
-                         if d["name"] == "Ingress")
+                ing = next(d for d in config["applications"][0]["deployments"] if d["name"] == "Ingress")
+                # an autoscaled ingress starts at its initial (else minimum) replica count
+                auto = ing.get("autoscaling_config") or {}
+                n = ing.get("num_replicas") if isinstance(ing.get("num_replicas"), int) else \
+                    auto.get("initial_replicas") or auto.get("min_replicas") or 1
                 found = ingress_ports(n, timeout=120, scan=50, ports=self._direct_range)
                 if len(found) != n:
                     raise RuntimeError("expected %d direct-ingress ports in %s, found %s" % (n, self._direct_range,
@@ -288,6 +291,28 @@ def fleet_config(checkpoint: str, backend: str, device: str, port: int, replicas
             d["num_replicas"] = ingress_replicas
     cfg.setdefault("logging_config", {})["log_level"] = "WARNING"
     return cfg
+
+
+def shipped_config(path: str, checkpoint: str, backend: str, device: str, port: int, scratch: str) -> tuple[dict, dict]:
+    """A config file as shipped (e.g. configs/prod-fused.yaml), with only what must change on this machine:
+    the checkpoint, backend and device, a free loopback port, the cache dirs under `scratch`, and a random
+    bearer key in the variable its `api_key_env` names. Returns (config, extra env for `serve run`)."""
+    import secrets
+
+    with open(path, encoding="utf-8") as fh:
+        cfg = yaml.safe_load(fh)
+    cfg.setdefault("http_options", {}).update(host="127.0.0.1", port=port)
+    env: dict[str, str] = {}
+    for app in cfg["applications"]:
+        args = app.setdefault("args", {})
+        args.update(checkpoint=os.path.abspath(checkpoint), backend=backend, device=device)
+        vars_ = app.setdefault("runtime_env", {}).setdefault("env_vars", {})
+        for k in ("LAYA_FLEET_CACHE_DIR", "LAYA_FLEET_LOCAL_CACHE_DIR"):
+            if k in vars_:
+                vars_[k] = os.path.join(scratch, k.lower())
+        if args.get("api_key_env"):
+            env[args["api_key_env"]] = secrets.token_hex(16)
+    return cfg, env
 
 
 def floor_config(port: int, ingress_replicas: int) -> dict:
@@ -663,6 +688,10 @@ def main(argv: list[str] | None = None) -> int:
                         "replica serves HTTP on its own port, clients spread over them), direct-ray-defaults "
                         "(direct without the RAY_SERVE_* request-path settings of configs/local.yaml), direct-tp "
                         "(direct with RAY_SERVE_THROUGHPUT_OPTIMIZED=1, Ray's preset), or a list of them")
+    p.add_argument("--config", default=None,
+                   help="run this Serve config file as shipped (e.g. configs/prod-fused.yaml) instead of the topology "
+                        "built from configs/local.yaml: only checkpoint, backend, device, port, cache dirs and the "
+                        "bearer key are set for this machine; --topology, --replicas and the like are ignored")
     p.add_argument("--topology", default="split",
                    help="split (CPU ingress replicas -> GPU scorer replicas), fused (one deployment whose replicas "
                         "hold the scorer: no process hop; serve_app.app.fused_config), or split,fused")
@@ -713,7 +742,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--topology takes split, fused or split,fused (got %r)" % args.topology)
     if "fused" in topologies:
         from serve_app.app import fused_config
-    for k in proxy_counts if not args.url else []:
+    for k in proxy_counts if not (args.url or args.config) else []:
         cluster = LocalCluster(k, os.path.dirname(logs)) if k > 1 else None
         address = cluster.address if cluster else None
         try:
@@ -773,6 +802,22 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             if cluster:
                 cluster.stop()
+    if args.config and not args.url and not args.upstream_only:
+        for mode in modes:
+            cfg, key_env = shipped_config(args.config, args.checkpoint, args.backend, args.device, free_port(),
+                                          os.path.dirname(logs))
+            apply_mode(cfg, mode)
+            direct = mode != "proxy" or any(
+                (a.get("runtime_env") or {}).get("env_vars", {}).get("RAY_SERVE_ENABLE_DIRECT_INGRESS") == "1"
+                for a in cfg["applications"])
+            fused = cfg["applications"][0].get("args", {}).get("topology") == "fused"
+            hdr = {"Authorization": "Bearer " + next(iter(key_env.values()))} if key_env else None
+            with FleetServer(cfg, logs + ".config.log", direct=direct, extra_env=dict(MODES[mode], **key_env)) as srv:
+                srv.name = "laya-fleet (%s%s)" % (os.path.basename(args.config), ", direct ingress" if direct else "")
+                startup[srv.name] = round(srv.ready_s, 1)
+                answers[srv.name] = sample_answers((srv.urls or [srv.url])[0] + "/v1/systemone", payloads[:16], hdr)
+                results[srv.name] = run_server(srv, payloads, levels, args.duration, args.warmup, hdr, procs,
+                                               cpu=True, fused=fused)
     if args.url and not args.upstream_only:
         srv = Server("")
         srv.name, srv.url = "laya-fleet", args.url.rstrip("/")
@@ -790,7 +835,8 @@ def main(argv: list[str] | None = None) -> int:
                                         "ingress_inflight": args.ingress_inflight, "client_procs": procs,
                                         "proxies": args.proxies, "ingress_mode": args.ingress_mode,
                                         "gil_switch_interval_s": args.gil_switch_interval,
-                                        "max_batch_tokens": args.max_batch_tokens, "url": args.url},
+                                        "max_batch_tokens": args.max_batch_tokens, "url": args.url,
+                                        "config": args.config},
                            "startup_s": startup, "results": results}
     names = list(answers)
     if len(names) >= 2:  # ours (the first) against upstream (the last)
