@@ -21,6 +21,7 @@ from .serve_helpers import (  # noqa: E402
     AUTH,
     POISON,
     TEST_KEY_ENV,
+    LoadGen,
     app_config,
     assert_same_result,
     deploy,
@@ -114,9 +115,13 @@ def test_fused_bad_input_is_refused_with_a_message(fused):
     assert httpx.get(fused.url + "/ready", timeout=30).json()["ready"] is True
 
 
-def test_two_fused_replicas_per_logical_gpu_both_serve(serve_cluster, tiny_checkpoint):
+def test_two_fused_replicas_per_logical_gpu_serve_and_a_killed_one_is_replaced(serve_cluster, tiny_checkpoint):
     """configs/prod-fused.yaml's shape (fused_config with replicas_per_gpu=2) on the session's logical GPUs:
-    two replicas of half a GPU each, each with one GPU id and the config's GIL interval, both answering."""
+    two replicas of half a GPU each, each with one GPU id and the config's GIL interval, both answering; one
+    killed under load is replaced while the other keeps answering, and then every request is answered."""
+    import time
+
+    import ray
     from ray import serve
 
     from serve_app.app import fused_config
@@ -145,3 +150,30 @@ def test_two_fused_replicas_per_logical_gpu_both_serve(serve_cluster, tiny_check
     for i in infos.values():
         assert i["device"] == "cpu" and len(i["gpu_ids"]) == 1 and i["gpu_ids"] == [i["cuda_visible_devices"]]
         assert i["gil_switch_interval_s"] == pytest.approx(0.0001)
+
+    # kill one replica under load: the other keeps answering, Serve replaces the dead one
+    victim = next(iter(infos))
+    load = LoadGen(url, lambda: payloads[rng.randrange(len(payloads))], clients=8, headers=AUTH).start()
+    time.sleep(2.0)
+    t_kill = time.monotonic()
+    ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+
+    def replaced():
+        try:
+            names = {h.info.remote().result(timeout_s=10)["actor_name"] for _ in range(16)}
+        except Exception:  # noqa: BLE001 - a call routed to the dead replica before Serve noticed
+            return False
+        return len(names) == 2 and victim not in names
+
+    wait_for(replaced, 120, interval=1.0, what="the killed fused replica replaced")
+    t_new = time.monotonic()
+    time.sleep(3.0)
+    results = load.stop()
+    before = [st for t, st, _ in results if t < t_kill]
+    during = [st for t, st, _ in results if t_kill <= t <= t_new + 0.5]
+    after = [st for t, st, _ in results if t > t_new + 0.5]
+    assert before and set(before) == {200}
+    assert len(after) > 10 and set(after) == {200}, after
+    # the surviving replica answered while the other was down (only requests the dead one held may fail)
+    assert during.count(200) > len(during) // 2, {x: during.count(x) for x in set(during)}
+    print("fused replica replaced in %.1fs; during: %s" % (t_new - t_kill, {x: during.count(x) for x in set(during)}))
