@@ -166,7 +166,7 @@ def fused_config(config: dict, app_name: str | None = None, replicas_per_gpu: in
         sc = args.setdefault("scorer", {})
         if k > 1:
             sc["num_gpus"] = sc.get("num_gpus", 0) / k
-            sc["num_cpus"] = max(1, sc.get("num_cpus", 1) // k)
+            sc["num_cpus"] = sc.get("num_cpus", 1) / k
             if isinstance(ingress.get("num_replicas"), int):
                 ingress["num_replicas"] *= k
             auto = ingress.get("autoscaling_config")
