@@ -209,10 +209,17 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("--gil-switch-interval", type=float, default=None)
     f.add_argument("--direct-ingress", action="store_true")
     a = ap.parse_args(argv)
-    with open(a.config, encoding="utf-8") as fh:
-        cfg = yaml.safe_load(fh)
-    fused_config(cfg, replicas_per_gpu=a.replicas_per_gpu, gil_switch_interval_s=a.gil_switch_interval,
-                 direct_ingress=a.direct_ingress)
+    try:
+        with open(a.config, encoding="utf-8") as fh:
+            cfg = yaml.safe_load(fh)
+        fused_config(cfg, replicas_per_gpu=a.replicas_per_gpu, gil_switch_interval_s=a.gil_switch_interval,
+                     direct_ingress=a.direct_ingress)
+    except OSError as e:
+        ap.error("cannot read %s: %s" % (a.config, e.strerror or e))
+    except yaml.YAMLError as e:
+        ap.error("%s is not YAML: %s" % (a.config, str(e).splitlines()[0]))
+    except ValueError as e:
+        ap.error("%s: %s" % (a.config, e))
     command = "python -m serve_app.app fused %s%s%s%s" % (
         a.config, " --replicas-per-gpu %d" % a.replicas_per_gpu if a.replicas_per_gpu != 1 else "",
         "" if a.gil_switch_interval is None else " --gil-switch-interval %g" % a.gil_switch_interval,

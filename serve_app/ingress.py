@@ -509,9 +509,10 @@ class LocalScorer:
 @serve.deployment(name="Ingress", max_ongoing_requests=512, health_check_period_s=10,
                   graceful_shutdown_timeout_s=20)
 class FusedIngress(Ingress.func_or_class):
-    """The ingress with its scorer in the same replica (`topology: fused`): one replica per GPU serves HTTP,
-    tokenizes, batches and runs the model, so a request crosses no process after Serve's HTTP entry (on the
-    CPU machine one request with the forward skipped: 1.1 ms fused, 2.6 ms split). The scorer is the same
+    """The ingress with its scorer in the same replica (`topology: fused`): each replica (one per GPU, or
+    several sharing one: configs/prod-fused.yaml) serves HTTP, tokenizes, batches and runs the model, so a
+    request crosses no process after Serve's HTTP entry (on the CPU machine one request with the forward
+    skipped: 1.1 ms fused, 2.6 ms split). The scorer is the same
     `ScorerDeployment` class as in the split topology, built here; this replica takes its `user_config`
     (`reconfigure`), health check and autoscaling metric. The price: tokenizing shares the replica's GIL with
     the forward thread, and HTTP handling scales with GPUs rather than with CPU replicas."""

@@ -136,3 +136,29 @@ def test_prod_fused_yaml_is_what_the_generator_makes_of_prod_yaml(monkeypatch, c
     ServeDeploySchema.model_validate(cfg)
     args = AppArgs.model_validate(cfg["applications"][0]["args"])
     assert args.topology == "fused" and args.scorer.num_gpus == 0.5 and args.api_key_env == "LAYA_FLEET_API_KEY"
+
+
+@pytest.mark.parametrize("content, fragment", [(None, "cannot read"), ("a: [b", "is not YAML"),
+                                               ("applications: laya", "applications")])
+def test_fused_command_answers_bad_input_with_a_clear_error(tmp_path, capsys, content, fragment):
+    from serve_app.app import main
+
+    path = tmp_path / "cfg.yaml"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(SystemExit) as e:
+        main(["fused", str(path)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert fragment in err and "Traceback" not in err
+
+
+def test_fused_command_refuses_zero_replicas_per_gpu(capsys):
+    import os
+
+    from serve_app.app import main
+
+    prod = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "prod.yaml")
+    with pytest.raises(SystemExit) as e:
+        main(["fused", prod, "--replicas-per-gpu", "0"])
+    assert e.value.code == 2 and "replicas_per_gpu must be a whole number" in capsys.readouterr().err
