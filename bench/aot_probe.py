@@ -12,6 +12,10 @@ in the .so, the backend's default) and `<shape>-ext` (weights left out of the .s
 
     python3 bench/aot_probe.py --cases min-small,min-big,tiny-in-so,tiny-ext,mmbert-base-ext --out-dir $OUT
 
+`--native-trace` also loads each package under a SIGSEGV handler preloaded into the child (built here with
+gcc: backtrace(3) of the native frames, library and symbol per frame) and, where gdb exists, once more
+under `gdb -batch` for its backtrace, since faulthandler shows only the Python frames.
+
 Prints a table last; writes aot_probe.json under --out-dir.
 """
 
@@ -20,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -177,13 +182,61 @@ def child_load(case: str, work: str, single_threaded: bool) -> dict:
 
 
 # -- parent -------------------------------------------------------------------------------------------
-def run_child(args: list[str], timeout: float) -> tuple[int, dict | None, str, float]:
+SEGV_TRACE_C = r"""
+#define _GNU_SOURCE
+#include <execinfo.h>
+#include <signal.h>
+#include <stdio.h>
+#include <string.h>
+#include <unistd.h>
+static void on_segv(int sig, siginfo_t *si, void *ctx) {
+  void *frames[64];
+  char msg[96];
+  int n = backtrace(frames, 64);
+  int len = snprintf(msg, sizeof msg, "\n[segv_trace] signal %d at %p, %d frames:\n", sig, si->si_addr, n);
+  write(2, msg, len);
+  backtrace_symbols_fd(frames, n, 2);
+  signal(sig, SIG_DFL);
+  raise(sig);
+}
+__attribute__((constructor)) static void install(void) {
+  struct sigaction sa;
+  memset(&sa, 0, sizeof sa);
+  sa.sa_sigaction = on_segv;
+  sa.sa_flags = SA_SIGINFO;
+  sigaction(SIGSEGV, &sa, 0);
+  sigaction(SIGBUS, &sa, 0);
+}
+"""
+
+
+def segv_trace_lib(work: str) -> str | None:
+    """Build the preloadable SIGSEGV backtrace library with gcc; None when that fails."""
+    src, lib = os.path.join(work, "segv_trace.c"), os.path.join(work, "segv_trace.so")
+    with open(src, "w") as fh:
+        fh.write(SEGV_TRACE_C)
+    r = subprocess.run(["gcc", "-shared", "-fPIC", "-O1", "-o", lib, src], capture_output=True, text=True)
+    return lib if r.returncode == 0 else None
+
+
+def run_child(args: list[str], timeout: float, preload: str | None = None,
+              gdb: bool = False) -> tuple[int, dict | None, str, float]:
     t = time.perf_counter()
     env = dict(os.environ, PYTHONFAULTHANDLER="1",
                PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+    cmd = [sys.executable, "-X", "faulthandler", os.path.abspath(__file__)] + args
+    if preload:
+        env["LD_PRELOAD"] = preload
+        env.pop("PYTHONFAULTHANDLER")   # our handler reports; faulthandler would take the signal first
+        cmd.remove("-X")
+        cmd.remove("faulthandler")
+    if gdb:
+        env.pop("PYTHONFAULTHANDLER")
+        cmd = ["gdb", "-batch", "-q", "-ex", "set pagination off", "-ex", "handle SIGSEGV stop",
+               "-ex", "run", "-ex", "bt 40", "-ex", "info sharedlibrary", "--args",
+               sys.executable, os.path.abspath(__file__)] + args
     try:
-        r = subprocess.run([sys.executable, "-X", "faulthandler", os.path.abspath(__file__)] + args,
-                           capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
     except subprocess.TimeoutExpired as e:
         return -9, None, "timeout: " + ((e.stderr or b"")[-1500:].decode("utf-8", "replace")
                                          if isinstance(e.stderr, bytes) else str(e.stderr)[-1500:]), timeout
@@ -191,7 +244,14 @@ def run_child(args: list[str], timeout: float) -> tuple[int, dict | None, str, f
     for line in r.stdout.splitlines():
         if line.startswith("RESULT "):
             res = json.loads(line[7:])
-    return r.returncode, res, r.stderr[-3000:], time.perf_counter() - t
+    err = r.stderr[-3000:]
+    if preload and "[segv_trace]" in r.stderr:
+        err = r.stderr[r.stderr.index("[segv_trace]"):][:6000]
+    if gdb:
+        at = r.stdout.find("received signal")
+        tail = r.stdout[max(0, at - 200):] if at >= 0 else r.stdout[-3000:]
+        err = tail[:10000] + "\n--- stderr ---\n" + r.stderr[-1500:]
+    return r.returncode, res, err, time.perf_counter() - t
 
 
 def main() -> None:
@@ -202,6 +262,8 @@ def main() -> None:
     ap.add_argument("--deadline", type=float, default=480.0, help="stop starting cases after this many seconds")
     ap.add_argument("--single-threaded", action="store_true", help="load with run_single_threaded=True")
     ap.add_argument("--load-only", action="store_true", help="load packages a previous run built in --work")
+    ap.add_argument("--native-trace", action="store_true",
+                    help="load again under a preloaded SIGSEGV backtrace handler and under gdb when present")
     ap.add_argument("--child", choices=["build", "load"])
     ap.add_argument("--case")
     a = ap.parse_args()
@@ -233,6 +295,17 @@ def main() -> None:
             row["load"] = {"rc": rc, "s": round(s, 1), **(res or {})}
             if rc != 0:
                 row["load"]["stderr"] = err
+            if rc != 0 and a.native_trace:
+                lib = segv_trace_lib(a.work)
+                args = ["--child", "load", "--case", case, "--work", a.work] + extra
+                if lib:
+                    rc2, _, err2, s2 = run_child(args, max(30.0, a.deadline - (time.perf_counter() - t0)), preload=lib)
+                    row["load_native"] = {"rc": rc2, "s": round(s2, 1), "trace": err2}
+                    print(err2[:4000], flush=True)
+                if shutil.which("gdb") and a.deadline - (time.perf_counter() - t0) > 60:
+                    rc3, _, err3, s3 = run_child(args, max(30.0, a.deadline - (time.perf_counter() - t0)), gdb=True)
+                    row["load_gdb"] = {"rc": rc3, "s": round(s3, 1), "trace": err3}
+                    print(err3[:6000], flush=True)
         rows.append(row)
         print(json.dumps(row)[:600], flush=True)
     import torch

@@ -73,9 +73,11 @@ def is_hopper() -> bool:
     return target()["arch"].startswith("sm_90")
 
 
-def compile_func(build: Callable[[], Any] | Any, name: str, fast_math: bool = False) -> Any:
+def compile_func(build: Callable[[], Any] | Any, name: str, fast_math: bool = False,
+                 pass_configs: dict | None = None) -> Any:
     """Compile the PrimFunc that `build()` returns under a unique, deterministic symbol `name`; returns the
-    JITKernel. A PrimFunc may be passed instead of the builder.
+    JITKernel. A PrimFunc may be passed instead of the builder. `pass_configs` adds TileLang pass configs (the
+    name must then differ per config: the index is keyed by name).
 
     On a repeat (this process or another that shares the cache dir), the kernel loads through our index
     (`index_path`) without running `build()`: TileLang's own cache needs the PrimFunc to compute its key,
@@ -85,7 +87,8 @@ def compile_func(build: Callable[[], Any] | Any, name: str, fast_math: bool = Fa
     """
     tilelang, _ = tl()
     tgt = target()
-    cfg = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True} if fast_math else None
+    cfg = {tilelang.PassConfigKey.TL_ENABLE_FAST_MATH: True} if fast_math else {}
+    cfg = {**cfg, **(pass_configs or {})} or None
     index = index_path(name, tgt, fast_math)
     kernel = _load_indexed(index, tgt, cfg)
     if kernel is not None:

@@ -33,17 +33,26 @@ class AttnConfig:
     # all (unguarded, every tile runs at least one, because a block must not exit with its Q copy
     # still in flight)
     guard: bool = False
+    # ws: TileLang's automatic producer/consumer warp specialisation on Hopper (an extra producer warpgroup
+    # issues the TMA loads; consumers take 240 registers each, so one 128-thread block fills an SM's
+    # register file). ws=False leaves the pipeline to cp.async/TMA in the same threads and lets several
+    # blocks share an SM, so one block's softmax overlaps another's tensor-core work.
+    ws: bool = True
 
     def tag(self) -> str:
-        """A short text form, e.g. 64x64s1t128 (g suffix when guarded)."""
-        return "%dx%ds%dt%d%s" % (self.bm, self.bn, self.stages, self.threads, "g" if self.guard else "")
+        """A short text form, e.g. 64x64s1t128 (g suffix when guarded, n when not warp-specialised)."""
+        return "%dx%ds%dt%d%s%s" % (self.bm, self.bn, self.stages, self.threads, "g" if self.guard else "",
+                                    "" if self.ws else "n")
 
 
 UNGUARDED = AttnConfig()
 # The fastest of CANDIDATES on an H200 (bench/fast_path.py, 2026-11-29): 1.26 ms full / 1.06 ms window
 # over 64k packed tokens, against 1.84 / 1.44 for UNGUARDED.
 DEFAULT = AttnConfig(stages=2, guard=True)
-CANDIDATES = (UNGUARDED, AttnConfig(guard=True), DEFAULT, AttnConfig(bm=128, bn=64, stages=2, threads=256, guard=True))
+CANDIDATES = (UNGUARDED, AttnConfig(guard=True), DEFAULT, AttnConfig(bm=128, bn=64, stages=2, threads=256, guard=True),
+              AttnConfig(bm=128, bn=128, stages=2, threads=256, guard=True),
+              AttnConfig(stages=2, guard=True, ws=False), AttnConfig(bn=128, stages=2, guard=True, ws=False),
+              AttnConfig(bm=128, bn=64, stages=2, threads=256, guard=True, ws=False))
 
 
 def tile_table(lengths, bm: int, capacity: int | None = None, empty_row: int | None = None) -> np.ndarray:
@@ -151,7 +160,7 @@ def build_attention(heads: int, window: int = 0, cfg: AttnConfig = DEFAULT):
                 k_lo = T.max(0, q0 - window) // bn
                 k_hi = T.max(k_lo + lo_min, T.min(T.ceildiv(L, bn), T.ceildiv(q0 + bm + window, bn)))
             else:
-                k_lo = 0
+                k_lo = 0 if cfg.ws else T.min(0, q0)  # no-ws stages>=2: a static 0 start fails codegen
                 k_hi = T.max(lo_min, T.ceildiv(L, bn))
             for kb in T.Pipelined(k_lo, k_hi, num_stages=cfg.stages):
                 T.copy(QKV[start + kb * bn, HD + bh * D], K_s)
@@ -193,7 +202,8 @@ def attention_kernel(heads: int, window: int = 0, cfg: AttnConfig = DEFAULT):
     """The compiled attention kernel for (heads, window, cfg), built once per process."""
     name = _tl.kernel_name("lf_attn", h=heads, w=window, c=cfg.tag())
     return _tl.memo(("attn", heads, window, cfg),
-                    lambda: _tl.compile_func(lambda: build_attention(heads, window, cfg), name, fast_math=True))
+                    lambda: _tl.compile_func(lambda: build_attention(heads, window, cfg), name, fast_math=True,
+                                             pass_configs=None if cfg.ws else {"tl.disable_warp_specialized": True}))
 
 
 def attention(qkv: torch.Tensor, cu: torch.Tensor, tiles: torch.Tensor, heads: int, window: int = 0,

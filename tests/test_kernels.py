@@ -116,6 +116,22 @@ def test_kernels_compile_for_hopper(monkeypatch):
 
 
 @needs_tilelang
+@pytest.mark.parametrize("window", [0, 64])
+def test_attention_without_warp_specialisation_compiles_for_hopper(monkeypatch, window):
+    """ws=False candidates: no producer warpgroup and no register reallocation (so several blocks share an SM),
+    and a full-attention loop that starts at a static 0 (which TileLang's pipeliner could not lower)."""
+    import re
+
+    monkeypatch.setenv("LAYA_FLEET_TL_ARCH", "sm_90a")
+    cfg = next(c for c in attention.CANDIDATES if not c.ws)
+    src = attention.attention_kernel(16, window, cfg).get_kernel_source()
+    assert re.findall(r"__launch_bounds__\((\d+)", src) == [str(cfg.threads)]
+    assert "reg_alloc" not in src and "wgmma" in src
+    ws = attention.attention_kernel(16, window, attention.DEFAULT).get_kernel_source()
+    assert re.findall(r"__launch_bounds__\((\d+)", ws) == [str(attention.DEFAULT.threads + 128)]
+
+
+@needs_tilelang
 @pytest.mark.parametrize("D", [128, 384, 768, 1024])
 def test_add_ln_splits_each_row_over_the_threads(monkeypatch, D):
     """Each thread holds bm * D / threads floats of x and the row sums go through a block all-reduce. The
