@@ -51,6 +51,7 @@ UNGUARDED = AttnConfig()
 DEFAULT = AttnConfig(stages=2, guard=True)
 CANDIDATES = (UNGUARDED, AttnConfig(guard=True), DEFAULT, AttnConfig(bm=128, bn=64, stages=2, threads=256, guard=True),
               AttnConfig(bm=128, bn=128, stages=2, threads=256, guard=True),
+              AttnConfig(guard=True, ws=False), AttnConfig(bn=128, guard=True, ws=False),
               AttnConfig(stages=2, guard=True, ws=False), AttnConfig(bn=128, stages=2, guard=True, ws=False),
               AttnConfig(bm=128, bn=64, stages=2, threads=256, guard=True, ws=False))
 
@@ -160,7 +161,9 @@ def build_attention(heads: int, window: int = 0, cfg: AttnConfig = DEFAULT):
                 k_lo = T.max(0, q0 - window) // bn
                 k_hi = T.max(k_lo + lo_min, T.min(T.ceildiv(L, bn), T.ceildiv(q0 + bm + window, bn)))
             else:
-                k_lo = 0 if cfg.ws else T.min(0, q0)  # no-ws stages>=2: a static 0 start fails codegen
+                # without warp specialisation a software pipeline (stages >= 2) whose start is a static 0
+                # fails TileLang's codegen; min(0, q0) is 0 (q0 >= 0) but not static
+                k_lo = T.min(0, q0) if (not cfg.ws and cfg.stages >= 2) else 0
                 k_hi = T.max(lo_min, T.ceildiv(L, bn))
             for kb in T.Pipelined(k_lo, k_hi, num_stages=cfg.stages):
                 T.copy(QKV[start + kb * bn, HD + bh * D], K_s)
