@@ -46,14 +46,20 @@ class AttnConfig:
 
 
 UNGUARDED = AttnConfig()
-# The fastest of CANDIDATES on an H200 (bench/fast_path.py, 2026-11-29): 1.26 ms full / 1.06 ms window
-# over 64k packed tokens, against 1.84 / 1.44 for UNGUARDED.
-DEFAULT = AttnConfig(stages=2, guard=True)
-CANDIDATES = (UNGUARDED, AttnConfig(guard=True), DEFAULT, AttnConfig(bm=128, bn=64, stages=2, threads=256, guard=True),
+# The fastest of CANDIDATES on an H200 (bench/fast_path.py, 2026-11-29, fifth run): 0.61 ms full / 0.48 ms
+# window over 64k packed tokens, against 1.27 / 1.06 for the warp-specialised 64x64s2t128g (the previous
+# default) and 1.86 / 1.45 for UNGUARDED: without warp specialisation a block takes 117-128 registers a thread
+# (ptxas) instead of 240 plus a producer warpgroup, so four blocks share an SM and overlap each other's softmax
+# and tensor-core work.
+# Not candidates: the same kernels software-pipelined (stages=2 without warp specialisation) passed a small
+# check but gave wrong output on the 64k-token one (bench/fast_path.py's sweep, err inf), and their full-attention
+# form only compiles with a start that is not a static 0.
+WARP_SPECIALISED = AttnConfig(stages=2, guard=True)
+DEFAULT = AttnConfig(guard=True, ws=False)
+CANDIDATES = (UNGUARDED, AttnConfig(guard=True), WARP_SPECIALISED,
+              AttnConfig(bm=128, bn=64, stages=2, threads=256, guard=True),
               AttnConfig(bm=128, bn=128, stages=2, threads=256, guard=True),
-              AttnConfig(guard=True, ws=False), AttnConfig(bn=128, guard=True, ws=False),
-              AttnConfig(stages=2, guard=True, ws=False), AttnConfig(bn=128, stages=2, guard=True, ws=False),
-              AttnConfig(bm=128, bn=64, stages=2, threads=256, guard=True, ws=False))
+              DEFAULT, AttnConfig(bn=128, guard=True, ws=False))
 
 
 def tile_table(lengths, bm: int, capacity: int | None = None, empty_row: int | None = None) -> np.ndarray:
@@ -161,9 +167,7 @@ def build_attention(heads: int, window: int = 0, cfg: AttnConfig = DEFAULT):
                 k_lo = T.max(0, q0 - window) // bn
                 k_hi = T.max(k_lo + lo_min, T.min(T.ceildiv(L, bn), T.ceildiv(q0 + bm + window, bn)))
             else:
-                # without warp specialisation a software pipeline (stages >= 2) whose start is a static 0
-                # fails TileLang's codegen; min(0, q0) is 0 (q0 >= 0) but not static
-                k_lo = T.min(0, q0) if (not cfg.ws and cfg.stages >= 2) else 0
+                k_lo = 0
                 k_hi = T.max(lo_min, T.ceildiv(L, bn))
             for kb in T.Pipelined(k_lo, k_hi, num_stages=cfg.stages):
                 T.copy(QKV[start + kb * bn, HD + bh * D], K_s)
@@ -232,5 +236,5 @@ def attention_flops(lengths, heads: int, window: int = 0) -> float:
     return total
 
 
-__all__ = ["AttnConfig", "DEFAULT", "UNGUARDED", "CANDIDATES", "HEAD_DIM", "tile_table", "attention_ref",
-           "attention_dense", "build_attention", "attention_kernel", "attention", "attention_flops"]
+__all__ = ["AttnConfig", "DEFAULT", "UNGUARDED", "WARP_SPECIALISED", "CANDIDATES", "HEAD_DIM", "tile_table",
+           "attention_ref", "attention_dense", "build_attention", "attention_kernel", "attention", "attention_flops"]
