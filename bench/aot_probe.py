@@ -12,6 +12,11 @@ in the .so, the backend's default) and `<shape>-ext` (weights left out of the .s
 
     python3 bench/aot_probe.py --cases min-small,min-big,tiny-in-so,tiny-ext,mmbert-base-ext --out-dir $OUT
 
+`--preload-libstdcxx` loads with LD_PRELOAD set to the libstdc++ of the C++ compiler that built the package (the
+H200 trace ends in std::regex inside the package's device-string parser, reached through a null facet: the
+headers the package was compiled against and the libstdc++ the process runs may disagree). The JSON's
+`toolchain` records the compiler, the libstdc++ the Python process maps and every libstdc++ on the machine.
+
 `--native-trace` also loads each package under a SIGSEGV handler preloaded into the child (built here with
 gcc: backtrace(3) of the native frames, library and symbol per frame) and, where gdb exists, once more
 under `gdb -batch` for its backtrace, since faulthandler shows only the Python frames.
@@ -210,6 +215,43 @@ __attribute__((constructor)) static void install(void) {
 """
 
 
+def toolchain_facts() -> dict:
+    """The C++ compiler inductor uses, its libstdc++, the libstdc++ this process maps after importing torch,
+    and every libstdc++.so.6 found under the usual prefixes with its newest GLIBCXX version."""
+    import re
+
+    import torch._inductor.config as icfg
+
+    out: dict = {"cxx": str(icfg.cpp.cxx)}
+    for cxx in ("g++", "c++", "clang++"):
+        path = shutil.which(cxx)
+        if path:
+            r = subprocess.run([path, "--version"], capture_output=True, text=True)
+            out[cxx] = (path, r.stdout.splitlines()[0] if r.stdout else "")
+    if shutil.which("g++"):
+        lib = subprocess.run(["g++", "-print-file-name=libstdc++.so.6"], capture_output=True, text=True).stdout.strip()
+        out["gxx_libstdcxx"] = os.path.realpath(lib) if lib else None
+    with open("/proc/self/maps") as fh:
+        out["mapped"] = sorted({ln.split()[-1] for ln in fh if "libstdc++" in ln or "libgcc_s" in ln})
+    found = {}
+    try:
+        roots = [d for d in ("/usr", "/lib", "/lib64", "/opt", "/root", "/tmp/site") if os.path.isdir(d)]
+        r = subprocess.run(["find"] + roots + ["-name", "libstdc++.so.6*"],
+                           capture_output=True, text=True, timeout=60)
+        paths = r.stdout.split()
+    except subprocess.TimeoutExpired as e:
+        paths = (e.stdout or b"").decode().split() if isinstance(e.stdout, bytes) else []
+    for f in paths:
+        real = os.path.realpath(f)
+        if real in found or not os.path.isfile(real) or real.endswith(".py"):
+            continue
+        with open(real, "rb") as fh:
+            vers = set(re.findall(rb"GLIBCXX_3\.4\.(\d+)", fh.read()))
+        found[real] = "GLIBCXX_3.4.%d" % max(int(v) for v in vers) if vers else "?"
+    out["libstdcxx"] = found
+    return out
+
+
 def segv_trace_lib(work: str) -> str | None:
     """Build the preloadable SIGSEGV backtrace library with gcc; None when that fails."""
     src, lib = os.path.join(work, "segv_trace.c"), os.path.join(work, "segv_trace.so")
@@ -227,6 +269,7 @@ def run_child(args: list[str], timeout: float, preload: str | None = None,
     cmd = [sys.executable, "-X", "faulthandler", os.path.abspath(__file__)] + args
     if preload:
         env["LD_PRELOAD"] = preload
+    if preload and "segv_trace" in preload:
         env.pop("PYTHONFAULTHANDLER")   # our handler reports; faulthandler would take the signal first
         cmd.remove("-X")
         cmd.remove("faulthandler")
@@ -245,7 +288,7 @@ def run_child(args: list[str], timeout: float, preload: str | None = None,
         if line.startswith("RESULT "):
             res = json.loads(line[7:])
     err = r.stderr[-3000:]
-    if preload and "[segv_trace]" in r.stderr:
+    if preload and "segv_trace" in preload and "[segv_trace]" in r.stderr:
         err = r.stderr[r.stderr.index("[segv_trace]"):][:6000]
     if gdb:
         at = r.stdout.find("received signal")
@@ -262,6 +305,8 @@ def main() -> None:
     ap.add_argument("--deadline", type=float, default=480.0, help="stop starting cases after this many seconds")
     ap.add_argument("--single-threaded", action="store_true", help="load with run_single_threaded=True")
     ap.add_argument("--load-only", action="store_true", help="load packages a previous run built in --work")
+    ap.add_argument("--preload-libstdcxx", action="store_true",
+                    help="load with LD_PRELOAD of the compiler's libstdc++ (g++ -print-file-name)")
     ap.add_argument("--native-trace", action="store_true",
                     help="load again under a preloaded SIGSEGV backtrace handler and under gdb when present")
     ap.add_argument("--child", choices=["build", "load"])
@@ -273,6 +318,9 @@ def main() -> None:
         return
     os.makedirs(a.work, exist_ok=True)
     os.makedirs(a.out_dir, exist_ok=True)
+    facts = toolchain_facts()
+    print("toolchain: " + json.dumps(facts), flush=True)
+    preload = facts.get("gxx_libstdcxx") if a.preload_libstdcxx else None
     t0 = time.perf_counter()
     rows = []
     for case in [c for c in a.cases.split(",") if c]:
@@ -291,7 +339,7 @@ def main() -> None:
         else:
             extra = ["--single-threaded"] if a.single_threaded else []
             rc, res, err, s = run_child(["--child", "load", "--case", case, "--work", a.work] + extra,
-                                        max(30.0, a.deadline - (time.perf_counter() - t0)))
+                                        max(30.0, a.deadline - (time.perf_counter() - t0)), preload=preload)
             row["load"] = {"rc": rc, "s": round(s, 1), **(res or {})}
             if rc != 0:
                 row["load"]["stderr"] = err
@@ -299,7 +347,8 @@ def main() -> None:
                 lib = segv_trace_lib(a.work)
                 args = ["--child", "load", "--case", case, "--work", a.work] + extra
                 if lib:
-                    rc2, _, err2, s2 = run_child(args, max(30.0, a.deadline - (time.perf_counter() - t0)), preload=lib)
+                    rc2, _, err2, s2 = run_child(args, max(30.0, a.deadline - (time.perf_counter() - t0)),
+                                                 preload=" ".join(p for p in (preload, lib) if p))
                     row["load_native"] = {"rc": rc2, "s": round(s2, 1), "trace": err2}
                     print(err2[:4000], flush=True)
                 if shutil.which("gdb") and a.deadline - (time.perf_counter() - t0) > 60:
@@ -310,7 +359,8 @@ def main() -> None:
         print(json.dumps(row)[:600], flush=True)
     import torch
 
-    out = {"torch": torch.__version__, "cuda": torch.version.cuda, "rows": rows}
+    out = {"torch": torch.__version__, "cuda": torch.version.cuda, "toolchain": facts, "preload": preload,
+           "rows": rows}
     with open(os.path.join(a.out_dir, "aot_probe.json"), "w") as f:
         json.dump(out, f, indent=1)
     print("\n%-18s %-26s %-40s" % ("case", "build", "load"))
