@@ -13,6 +13,7 @@ import random
 import shutil
 import subprocess
 import sys
+import textwrap
 import threading
 
 import numpy as np
@@ -361,3 +362,20 @@ def test_regional_compile_builds_one_graph_per_kind_of_layer_and_matches_eager(t
             worst = _compare(comp, engine, _shapes(engine.bundle.max_len), len(engine.bundle.tokenizer), seed=8)
         assert _counters()["graphs"] - before == kinds  # no shape after warm-up compiled anything
         assert worst > 0
+
+
+def test_loading_a_package_makes_the_process_libstdcxx_global():
+    """An AOTI package that links libstdc++ statically crashed in its own std::regex on the H200 unless the process's
+    libstdc++ was in the global symbol scope (LD_PRELOAD fixed it); load_aoti_package promotes it first."""
+    code = textwrap.dedent("""
+        import ctypes, json, torch
+        from model.backends.compiled import _promote_libstdcxx
+        sym = "_ZNSt6locale7classicEv"  # std::locale::classic()
+        before = hasattr(ctypes.CDLL(None), sym)
+        path = _promote_libstdcxx()
+        print(json.dumps({"before": before, "after": hasattr(ctypes.CDLL(None), sym), "path": path}))
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["after"] is True and os.path.basename(got["path"]).startswith("libstdc++.so")

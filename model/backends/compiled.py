@@ -523,6 +523,54 @@ def build_aot_package(checkpoint: str, cache_dir: str | None = None, device: str
     return shared_pkg if status in ("published", "replaced", "exists") else local
 
 
+def _promote_libstdcxx() -> str | None:
+    """Make this process's libstdc++ part of the global symbol scope (dlopen RTLD_GLOBAL); returns its path.
+
+    An AOTI package's wrapper .so built by a toolchain that links libstdc++ statically (inductor's g++ on the H200
+    host: /opt/gcc) exports its own copy of libstdc++'s symbols. Python loads torch, and with it the process's
+    libstdc++, with RTLD_LOCAL, so when the package is dlopen'ed its locale/facet code binds partly to its own
+    copy and partly to the process's: the first std::regex it builds (parsing the device string "cuda:0")
+    calls through a null facet and the process dies with SIGSEGV (bench/aot_probe.py --native-trace). With the
+    process's libstdc++ global, every such symbol binds to the one copy (the same as LD_PRELOAD, which fixed it
+    on the H200: bench/results/aot_probe_h200_preload.json)."""
+    import ctypes
+
+    path = None
+    try:
+        with open("/proc/self/maps", encoding="utf-8") as fh:
+            for line in fh:
+                name = line.split()[-1] if line.strip() else ""
+                if os.path.basename(name).startswith("libstdc++.so"):
+                    path = name
+                    break
+    except OSError:
+        return None
+    if path is None:
+        import ctypes.util
+
+        path = ctypes.util.find_library("stdc++")
+    if path is None:
+        return None
+    try:
+        ctypes.CDLL(path, mode=os.RTLD_GLOBAL)
+    except OSError as e:
+        log.warning("could not make %s global before loading an AOTI package: %s", path, e)
+        return None
+    return path
+
+
+def load_aoti_package(package: str, device_index: int = -1) -> Any:
+    """`torch._inductor.aoti_load_package` with this process's libstdc++ made global first (see
+    `_promote_libstdcxx`) and without inductor's CPU ISA probe, which compiles and runs test programs (tens of
+    seconds) only to compare the CPU ISA string for a warning."""
+    import torch._inductor.config as icfg
+
+    _promote_libstdcxx()
+    with icfg.patch({"cpp.vec_isa_ok": True}):
+        return torch._inductor.aoti_load_package(package,
+                                                 **({"device_index": device_index} if device_index >= 0 else {}))
+
+
 class AotBackend(_Padded):
     """A loaded AOTInductor package; no compilation happens in this process."""
 
@@ -535,7 +583,7 @@ class AotBackend(_Padded):
             if device.type == "cuda" else -1
         self.package = package
         self.load_check = check_package_loads(package, index)
-        self.runner = torch._inductor.aoti_load_package(package, **({"device_index": index} if index >= 0 else {}))
+        self.runner = load_aoti_package(package, index)
         self.load_s = time.perf_counter() - t
 
     def _run(self, b: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -572,12 +620,14 @@ def check_package_loads(package: str, device_index: int = -1, timeout_s: float =
                 return "known"
     except (OSError, ValueError):
         pass
-    code = ("import sys, torch\n"
-            "i = int(sys.argv[2])\n"
-            "torch._inductor.aoti_load_package(sys.argv[1], **({'device_index': i} if i >= 0 else {}))\n")
+    code = ("import sys\n"
+            "from model.backends.compiled import load_aoti_package\n"
+            "load_aoti_package(sys.argv[1], int(sys.argv[2]))\n")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
     try:
         r = subprocess.run([sys.executable, "-c", code, package, str(device_index)], capture_output=True, text=True,
-                           timeout=timeout_s)
+                           timeout=timeout_s, env=env)
     except subprocess.TimeoutExpired:
         raise BackendUnavailable("loading the AOTInductor package %s took over %.0fs in a test process; not loading "
                                  "it here" % (package, timeout_s)) from None
@@ -664,5 +714,5 @@ def build_in_subprocess(checkpoint: str, cache_dir: str | None, device: torch.de
 
 
 __all__ = ["CompileBackend", "AotBackend", "make_compile_backend", "make_aot_backend", "build_aot_package",
-           "build_in_subprocess", "check_package_loads",
+           "build_in_subprocess", "check_package_loads", "load_aoti_package",
            "export_model", "padded_batch", "aot_key", "bf16_copy", "local_package_path"]
