@@ -561,14 +561,40 @@ def _promote_libstdcxx() -> str | None:
 
 def load_aoti_package(package: str, device_index: int = -1) -> Any:
     """`torch._inductor.aoti_load_package` with this process's libstdc++ made global first (see
-    `_promote_libstdcxx`) and without inductor's CPU ISA probe, which compiles and runs test programs (tens of
-    seconds) only to compare the CPU ISA string for a warning."""
-    import torch._inductor.config as icfg
+    `_promote_libstdcxx`) and, for a CUDA package, without inductor's CPU ISA probe: torch compares the package's
+    CPU ISA with this machine's for a warning only, and finding this machine's compiles test programs and dlopens
+    each in a fresh Python (about 35 of a 42 s load on the H200 host, cProfile)."""
+    import torch._inductor.codecache as codecache
 
     _promote_libstdcxx()
-    with icfg.patch({"cpp.vec_isa_ok": True}):
-        return torch._inductor.aoti_load_package(package,
-                                                 **({"device_index": device_index} if device_index >= 0 else {}))
+    if device_index < 0:  # a CPU package: keep torch's ISA comparison
+        return torch._inductor.aoti_load_package(package)
+
+    def without_cpu_isa(device_type: str) -> dict:
+        """torch's get_device_information less the CPU ISA (missing keys are not compared)."""
+        import platform
+        import sys
+
+        from torch._dynamo.device_interface import get_interface_for_device
+
+        return {"AOTI_PLATFORM": sys.platform, "AOTI_MACHINE": platform.machine(),
+                "AOTI_COMPUTE_CAPABILITY": str(get_interface_for_device(device_type).get_compute_capability())}
+
+    import torch.export.pt2_archive._package as pkg_mod
+
+    holders = [m for m in (codecache, pkg_mod) if hasattr(m, "get_device_information")]
+    with _LOAD_LOCK:
+        saved = [(m, m.get_device_information) for m in holders]
+        for m in holders:
+            m.get_device_information = without_cpu_isa
+        try:
+            return torch._inductor.aoti_load_package(package, device_index=device_index)
+        finally:
+            for m, f in saved:
+                m.get_device_information = f
+
+
+_LOAD_LOCK = threading.Lock()
 
 
 class AotBackend(_Padded):
@@ -576,13 +602,13 @@ class AotBackend(_Padded):
 
     name = "aot"
 
-    def __init__(self, package: str, bundle: Any, device: torch.device):
+    def __init__(self, package: str, bundle: Any, device: torch.device, also: Sequence[str] = ()):
         super().__init__(bundle, device)
         t = time.perf_counter()
         index = (device.index if device.index is not None else torch.cuda.current_device()) \
             if device.type == "cuda" else -1
         self.package = package
-        self.load_check = check_package_loads(package, index)
+        self.load_check = check_package_loads(package, index, also=also)
         self.runner = load_aoti_package(package, index)
         self.load_s = time.perf_counter() - t
 
@@ -594,7 +620,8 @@ class AotBackend(_Padded):
 LOAD_CHECK_ENV = "LAYA_FLEET_AOT_LOAD_CHECK"
 
 
-def check_package_loads(package: str, device_index: int = -1, timeout_s: float = 600.0) -> str:
+def check_package_loads(package: str, device_index: int = -1, timeout_s: float = 600.0,
+                        also: Sequence[str] = ()) -> str:
     """Load `package` once in a child process before this process does; returns "ok", "known" or "skipped".
 
     torch's AOTI runtime loads a package in native code, and a runtime that cannot load it here may crash the
@@ -602,7 +629,9 @@ def check_package_loads(package: str, device_index: int = -1, timeout_s: float =
     even two Linear layers; bench/aot_probe.py). A serving replica must not die that way, so the first load of
     a package on a node happens in a child: a crash or an error there raises BackendUnavailable naming the
     package and the signal, and a success is remembered next to the package (`<package>.loadable`, keyed by
-    torch version and device) so later starts skip the child. `LAYA_FLEET_AOT_LOAD_CHECK=0` skips the check.
+    torch version and device) so later starts skip the child; `also` names other copies of the same package
+    (the shared cache's) whose stamp counts and gets written too (best effort: a read-only mount is fine), so a
+    package another node has loaded is trusted. `LAYA_FLEET_AOT_LOAD_CHECK=0` skips the check.
     """
     import json
     import signal
@@ -613,13 +642,14 @@ def check_package_loads(package: str, device_index: int = -1, timeout_s: float =
         return "skipped"
     device = torch.cuda.get_device_name(device_index) if device_index >= 0 else "cpu"
     stamp = {"torch": torch.__version__, "device": device, "size": os.path.getsize(package)}
-    marker = package + ".loadable"
-    try:
-        with open(marker, encoding="utf-8") as fh:
-            if json.load(fh) == stamp:
-                return "known"
-    except (OSError, ValueError):
-        pass
+    markers = [p + ".loadable" for p in (package, *also)]
+    for marker in markers:
+        try:
+            with open(marker, encoding="utf-8") as fh:
+                if json.load(fh) == stamp:
+                    return "known"
+        except (OSError, ValueError):
+            pass
     code = ("import sys\n"
             "from model.backends.compiled import load_aoti_package\n"
             "load_aoti_package(sys.argv[1], int(sys.argv[2]))\n")
@@ -644,13 +674,18 @@ def check_package_loads(package: str, device_index: int = -1, timeout_s: float =
         tail = (r.stderr.strip().splitlines() or ["no output"])[-1][:300]
         raise BackendUnavailable("the AOTInductor package %s does not load (exit %d): %s" % (package, r.returncode,
                                                                                             tail))
-    try:
+    for marker in markers:
         tmp = "%s.%d.tmp" % (marker, os.getpid())
-        with open(tmp, "w", encoding="utf-8") as fh:
-            json.dump(stamp, fh)
-        os.replace(tmp, marker)
-    except OSError as e:  # a read-only package dir: check again next time
-        log.info("could not record that %s loads: %s", package, e)
+        try:
+            with open(tmp, "w", encoding="utf-8") as fh:
+                json.dump(stamp, fh)
+            os.replace(tmp, marker)
+        except OSError as e:  # a read-only package dir: check again next time
+            log.info("could not record that %s loads: %s", marker[:-len(".loadable")], e)
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
     return "ok"
 
 
@@ -688,7 +723,7 @@ def make_aot_backend(model: torch.nn.Module | None, bundle: Any, device: torch.d
         if not os.path.isfile(local):  # published to the shared cache by the builder: take this node's copy
             session.shared.seed(key, os.path.dirname(local))
         session.published["aoti"] = "built"
-    return AotBackend(local, bundle, device)
+    return AotBackend(local, bundle, device, also=[os.path.join(session.shared.path(key), PACKAGE)])
 
 
 def build_in_subprocess(checkpoint: str, cache_dir: str | None, device: torch.device) -> None:
