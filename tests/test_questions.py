@@ -127,3 +127,19 @@ def test_prepared_question_sets_are_remembered_only_when_equal_text_means_equal_
     for k in range(me.PREPARED_CACHE_SIZE + 10):
         engine.prepare({"q%d" % k: one})
     assert len(engine._prepared) == me.PREPARED_CACHE_SIZE
+
+
+def test_batched_state_tokenization_gives_the_ids_of_one_state_at_a_time(engine):
+    """encode_many tokenizes states as one batch (encode_batch_fast where tokenizers has it, which skips offsets);
+    the rows must be those of encoding each state alone, for awkward text too."""
+    from tests.cases import cases
+
+    states = ["", " ", "héllo wörld — ünïcode ✓ 日本語", "tabs\tand\nnewlines\r\n", "a" * 3000,
+              {"nested": {"dict": [1, 2.5, None, True]}, "text": "  leading and trailing  "},
+              "[MASK] looks like the mask token", "word " * 900]
+    states += [s for st, _ in cases(6, seed=11) for s in st]
+    _, qs = cases(1, seed=3)[0]
+    p = engine.prepare(qs)
+    batched = engine.encode_many(states, p)
+    alone = [engine.encode(s, p) for s in states]
+    assert [[r.ids for r in e.rows] for e in batched] == [[r.ids for r in e.rows] for e in alone]
