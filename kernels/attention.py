@@ -46,7 +46,7 @@ class AttnConfig:
 
 
 UNGUARDED = AttnConfig()
-# The fastest of CANDIDATES on an H200 (bench/fast_path.py, 2026-11-29, fifth run): 0.61 ms full / 0.48 ms
+# The fastest of CANDIDATES on an H200 (bench/fast_path.py, 2026-11-29, seventh session): 0.61 ms full / 0.48 ms
 # window over 64k packed tokens, against 1.27 / 1.06 for the warp-specialised 64x64s2t128g (the previous
 # default) and 1.86 / 1.45 for UNGUARDED: without warp specialisation a block takes 117-128 registers a thread
 # (ptxas) instead of 240 plus a producer warpgroup, so four blocks share an SM and overlap each other's softmax

@@ -625,8 +625,9 @@ def check_package_loads(package: str, device_index: int = -1, timeout_s: float =
     """Load `package` once in a child process before this process does; returns "ok", "known" or "skipped".
 
     torch's AOTI runtime loads a package in native code, and a runtime that cannot load it here may crash the
-    process instead of raising (torch 2.11 on the H200 host: SIGSEGV in `aoti_load_package` for any package,
-    even two Linear layers; bench/aot_probe.py). A serving replica must not die that way, so the first load of
+    process instead of raising (torch 2.11 on the H200 host: SIGSEGV for any package, even two Linear layers,
+    until `load_aoti_package` made libstdc++ global; bench/aot_probe.py). A serving replica must not die that
+    way, so the first load of
     a package on a node happens in a child: a crash or an error there raises BackendUnavailable naming the
     package and the signal, and a success is remembered next to the package (`<package>.loadable`, keyed by
     torch version and device) so later starts skip the child; `also` names other copies of the same package
@@ -729,9 +730,8 @@ def make_aot_backend(model: torch.nn.Module | None, bundle: Any, device: torch.d
 def build_in_subprocess(checkpoint: str, cache_dir: str | None, device: torch.device) -> None:
     """`laya-fleet aot` in a child process: the package is compiled there and only loaded here.
 
-    Loading an AOTI package on CUDA in the process that has just compiled it crashed (SIGSEGV inside
-    `aoti_load_package`, torch 2.11, H200); a child also keeps the compiler's memory, worker pool and
-    threads out of the serving process.
+    The compiler's memory, worker pool and threads stay out of the serving process. (It was first done because
+    loading on CUDA crashed in the compiling process too: the libstdc++ binding `load_aoti_package` now fixes.)
     """
     import subprocess
     import sys
