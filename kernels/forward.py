@@ -716,6 +716,13 @@ def make_backend(model: torch.nn.Module, bundle: Any, device: torch.device, **op
     device = torch.device(device)
     if device.type != "cuda" and options.get("ops", "tilelang") != "torch":
         raise BackendUnavailable("the fast backend needs a CUDA device, got %s" % device)
+    if device.type == "cuda" and options.get("act_dtype") is None:
+        from model.backends.base import cuda_amp_dtype
+
+        if cuda_amp_dtype(bundle.cfg, device) != torch.bfloat16:
+            log.warning("fast backend: %s asks for fp16 compute (amp_dtype / $LAYA_FLEET_CUDA_AMP); the TileLang "
+                        "kernels run bf16, so answers differ from the eager and compiled backends by bf16's error",
+                        bundle.path)
     return FastBackend(FastForward(model, bundle, device, **options))
 
 

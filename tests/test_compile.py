@@ -379,3 +379,41 @@ def test_loading_a_package_makes_the_process_libstdcxx_global():
     assert r.returncode == 0, r.stderr[-2000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert got["after"] is True and os.path.basename(got["path"]).startswith("libstdc++.so")
+
+
+@pytest.mark.parametrize("cfg, env, want", [
+    ({"amp_dtype": "bf16"}, {}, torch.bfloat16),
+    ({"amp_dtype": "bfloat16"}, {}, torch.bfloat16),
+    ({"amp_dtype": "fp16"}, {}, torch.float16),
+    ({}, {}, torch.float16),  # upstream's default when the field is absent
+    ({"amp_dtype": "bf16"}, {"LAYA_FLEET_CUDA_AMP": "fp16"}, torch.float16),
+    ({"amp_dtype": "fp16"}, {"LAYA_CUDA_AMP": "BF16"}, torch.bfloat16),  # upstream's variable is honoured too
+    ({"amp_dtype": "fp16"}, {"LAYA_FLEET_CUDA_AMP": "bfloat16", "LAYA_CUDA_AMP": "fp16"}, torch.bfloat16),
+])
+def test_cuda_autocast_dtype_follows_the_checkpoint_and_the_environment(monkeypatch, cfg, env, want):
+    from model.backends import cuda_amp_dtype
+
+    for var in ("LAYA_FLEET_CUDA_AMP", "LAYA_CUDA_AMP"):
+        monkeypatch.delenv(var, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert cuda_amp_dtype(cfg) == want
+
+
+def test_a_bad_autocast_setting_names_the_variable(monkeypatch):
+    from model.backends import cuda_amp_dtype
+
+    monkeypatch.setenv("LAYA_FLEET_CUDA_AMP", "fp8")
+    with pytest.raises(ValueError, match="LAYA_FLEET_CUDA_AMP='fp8'"):
+        cuda_amp_dtype({"amp_dtype": "bf16"})
+
+
+def test_aot_packages_of_different_dtypes_have_different_keys():
+    from model.backends.compiled import aot_variant
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert [aot_variant(cuda, dt) for dt in (torch.bfloat16, torch.float16, None)] == ["bf16", "fp16", "bf16"]
+    assert aot_variant(cpu, torch.float16) == "fp32"
+    keys = {cache.artifact_key("aoti", "abc", cpu, variant=aot_variant(cuda, dt), arch="sm_90").name
+            for dt in (torch.bfloat16, torch.float16)}
+    assert len(keys) == 2

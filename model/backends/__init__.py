@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .base import Backend, BackendUnavailable, collate, outputs
+from .base import Backend, BackendUnavailable, collate, cuda_amp_dtype, outputs
 from .eager import EagerBackend
 
 log = logging.getLogger(__name__)
@@ -38,6 +38,13 @@ def _factory(name: str) -> Callable[..., Backend]:
     return getattr(module, fn)
 
 
+def _eager_dtype(dtype: torch.dtype | None, bundle: Any, device: torch.device) -> torch.dtype | None:
+    """An explicit dtype wins; on CUDA the checkpoint's autocast dtype (`cuda_amp_dtype`); on CPU fp32 (None)."""
+    if dtype is not None or device.type != "cuda":
+        return dtype
+    return cuda_amp_dtype(bundle.cfg, device)
+
+
 def make_backend(name: str, model: torch.nn.Module, bundle: Any, device: torch.device, **options) -> Backend:
     """Build the named backend (resolving `auto`), falling back from `auto` to eager when needed."""
     name = ALIASES.get(name, name)
@@ -51,11 +58,12 @@ def make_backend(name: str, model: torch.nn.Module, bundle: Any, device: torch.d
             except BackendUnavailable as e:
                 warnings.warn("laya-fleet: fast backend unavailable (%s); using eager" % e, RuntimeWarning,
                               stacklevel=3)
-        return EagerBackend(model, pad_id, device, bundle.max_len)
+        return EagerBackend(model, pad_id, device, bundle.max_len, dtype=_eager_dtype(None, bundle, device))
     if name == "eager":
-        return EagerBackend(model, pad_id, device, bundle.max_len, dtype=options.get("dtype"))
+        return EagerBackend(model, pad_id, device, bundle.max_len,
+                            dtype=_eager_dtype(options.get("dtype"), bundle, device))
     return _factory(name)(model, bundle, device, **options)
 
 
 __all__ = ["Backend", "BackendUnavailable", "EagerBackend", "NAMES", "ALIASES", "make_backend", "collate",
-           "outputs"]
+           "cuda_amp_dtype", "outputs"]

@@ -15,6 +15,31 @@ class BackendUnavailable(RuntimeError):
     """The requested backend cannot run here (no CUDA, no tilelang, unsupported encoder...)."""
 
 
+AMP_ENV = "LAYA_FLEET_CUDA_AMP"
+_AMP_NAMES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+
+
+def cuda_amp_dtype(cfg: dict, device: torch.device | None = None) -> torch.dtype:
+    """The half-precision dtype a CUDA forward computes in, by upstream Laya's policy: $LAYA_FLEET_CUDA_AMP (or
+    upstream's $LAYA_CUDA_AMP) when set to fp16 / float16 / bf16 / bfloat16; fp16 on GPUs before compute
+    capability 8 (no bf16 tensor cores); else the checkpoint's `amp_dtype`: "bf16" / "bfloat16" is bf16 and
+    anything else, or no field at all, fp16 (fp16 keeps 3 more mantissa bits: on the random checkpoints of
+    bench/fast_path.py fp16 autocast is 0.011 from fp32 in probability where bf16 is 0.091)."""
+    import os
+
+    for var in (AMP_ENV, "LAYA_CUDA_AMP"):
+        v = os.environ.get(var, "").strip().lower()
+        if v:
+            if v not in _AMP_NAMES:
+                raise ValueError("%s=%r: use one of %s" % (var, v, sorted(_AMP_NAMES)))
+            return _AMP_NAMES[v]
+    if device is not None and device.type == "cuda" and torch.cuda.is_available():
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        if torch.cuda.get_device_capability(idx)[0] < 8:
+            return torch.float16
+    return torch.bfloat16 if str(cfg.get("amp_dtype", "fp16")).lower() in ("bf16", "bfloat16") else torch.float16
+
+
 class Backend(Protocol):
     """What every forward implementation provides."""
 

@@ -14,9 +14,9 @@ runs in the batch graph, so `compile` builds a single graph in `warmup()` that s
 switched off while a compiled call runs, so equal sizes at trace time never tie axes.
 
 Precision. CPU runs fp32 (answers within ~1e-5 of eager). On CUDA, `compile` keeps fp32 weights under
-bf16 autocast like the eager backend (fp32 residual stream), and `aot` packages a bf16 copy of the
-parameters with no autocast (the dtype-explicit action head is what makes that export work); RoPE
-buffers stay fp32.
+autocast in the checkpoint's half dtype like the eager backend (`cuda_amp_dtype`: its `amp_dtype`, or
+$LAYA_FLEET_CUDA_AMP; fp32 residual stream), and `aot` packages a copy of the parameters in that dtype with
+no autocast (the dtype-explicit action head is what makes that export work); RoPE buffers stay fp32.
 
 Caches. `model.load` points inductor / Triton at node-local dirs and seeds them from the shared cache
 before this backend compiles (`model.cache`); AOTI packages are keyed per (checkpoint, arch, torch,
@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from .. import cache as _cache
 from ..sequence import Row
-from .base import BackendUnavailable, collate, outputs
+from .base import BackendUnavailable, collate, cuda_amp_dtype, outputs
 
 log = logging.getLogger(__name__)
 
@@ -92,13 +92,18 @@ def _synthetic_rows(n: int, tokens: int, markers: int, fill_id: int) -> list[Row
     return [Row([fill_id] * tokens, list(range(1, markers + 1)), i % 3) for i in range(n)]
 
 
-def bf16_copy(model: torch.nn.Module) -> torch.nn.Module:
-    """A copy whose floating-point parameters are bf16; buffers (RoPE frequencies) stay as they are."""
+def half_copy(model: torch.nn.Module, dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
+    """A copy whose floating-point parameters are `dtype`; buffers (RoPE frequencies) stay as they are."""
     m = copy.deepcopy(model)
     for p in m.parameters():
         if p.is_floating_point():
-            p.data = p.data.to(torch.bfloat16)
+            p.data = p.data.to(dtype)
     return m
+
+
+def bf16_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """`half_copy` in bf16."""
+    return half_copy(model, torch.bfloat16)
 
 
 class _Padded(abc.ABC):
@@ -233,14 +238,15 @@ class CompileBackend(_Padded):
         # row costs nothing measurable at that size; single_row_graph=True keeps the separate graph.
         self.min_rows = 1 if single_row_graph else 2
         if isinstance(dtype, str):
-            dtype = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32,
-                     "float32": torch.float32}[dtype]
+            dtype = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
+                     "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}[dtype]
         self.align = bool(align)
-        if device.type == "cuda" and dtype == torch.bfloat16:
-            model = bf16_copy(model)
+        if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
+            model = half_copy(model, dtype)
             self.autocast = None
         elif device.type == "cuda" and dtype is None:
-            self.autocast = torch.bfloat16  # same numerics as the eager CUDA path
+            # the eager CUDA path's numerics: fp32 weights under the checkpoint's autocast dtype
+            self.autocast = cuda_amp_dtype(bundle.cfg, device)
         else:
             self.autocast = None
         self.model = model.to(device).eval()
@@ -437,23 +443,32 @@ def make_compile_backend(model: torch.nn.Module, bundle: Any, device: torch.devi
 
 
 # -- AOTInductor ------------------------------------------------------------------------------------
-def aot_variant(device: torch.device) -> str:
-    """The package's dtype variant: bf16 parameters on CUDA, fp32 on CPU."""
-    return "bf16" if torch.device(device).type == "cuda" else "fp32"
+def aot_dtype(bundle: Any, device: torch.device) -> torch.dtype:
+    """The package's parameter dtype: the checkpoint's CUDA autocast dtype (`cuda_amp_dtype`) on CUDA, fp32 on
+    CPU."""
+    device = torch.device(device)
+    return cuda_amp_dtype(bundle.cfg, device) if device.type == "cuda" else torch.float32
 
 
-def aot_key(checkpoint_hash: str, device: torch.device) -> _cache.ArtifactKey:
+def aot_variant(device: torch.device, dtype: torch.dtype | None = None) -> str:
+    """The package's dtype variant: bf16 / fp16 parameters on CUDA (bf16 when not given), fp32 on CPU."""
+    if torch.device(device).type != "cuda":
+        return "fp32"
+    return {torch.float16: "fp16", torch.float32: "fp32"}.get(dtype, "bf16")
+
+
+def aot_key(checkpoint_hash: str, device: torch.device, dtype: torch.dtype | None = None) -> _cache.ArtifactKey:
     """The shared-cache key of a checkpoint's AOTI package for this device (arch, torch, CUDA, dtype)."""
-    return _cache.artifact_key("aoti", checkpoint_hash, device, variant=aot_variant(device))
+    return _cache.artifact_key("aoti", checkpoint_hash, device, variant=aot_variant(device, dtype))
 
 
 def export_model(model: torch.nn.Module, bundle: Any, device: torch.device):
     """torch.export of the model for `device` with dynamic rows, tokens (16 * t) and markers; returns the
-    ExportedProgram (bf16 parameters on CUDA, no autocast)."""
+    ExportedProgram (parameters in the checkpoint's half dtype on CUDA, `aot_dtype`; no autocast)."""
     from torch.export import Dim
 
     device = torch.device(device)
-    m = (bf16_copy(model) if device.type == "cuda" else model).to(device).eval()
+    m = (half_copy(model, aot_dtype(bundle, device)) if device.type == "cuda" else model).to(device).eval()
     t_max = max(2, _ceil(bundle.max_len, ALIGN) // ALIGN)
     rows = Dim("rows", min=1, max=MAX_ROWS)
     t = Dim("t", min=2, max=t_max)
@@ -495,7 +510,7 @@ def build_aot_package(checkpoint: str, cache_dir: str | None = None, device: str
         raise BackendUnavailable("AOTI package for CUDA asked, but CUDA is not available (use --device cpu)")
     session = _ensure_configured(cache_dir)
     bundle = bundle or open_bundle(checkpoint)
-    key = aot_key(checkpoint_hash(bundle.path), dev)
+    key = aot_key(checkpoint_hash(bundle.path), dev, aot_dtype(bundle, dev))
     shared = session.shared
     local = local_package_path(key, session.cache_dir)
     shared_pkg = os.path.join(shared.path(key), PACKAGE)
@@ -705,7 +720,7 @@ def make_aot_backend(model: torch.nn.Module | None, bundle: Any, device: torch.d
     if device.type == "cuda" and not torch.cuda.is_available():
         raise BackendUnavailable("aot backend on CUDA needs a GPU")
     session = _ensure_configured(None)
-    key = aot_key(checkpoint_hash(bundle.path), device)
+    key = aot_key(checkpoint_hash(bundle.path), device, aot_dtype(bundle, device))
     local = local_package_path(key, session.cache_dir)
     if not os.path.isfile(local):
         res = session.shared.seed(key, os.path.dirname(local))
@@ -750,4 +765,4 @@ def build_in_subprocess(checkpoint: str, cache_dir: str | None, device: torch.de
 
 __all__ = ["CompileBackend", "AotBackend", "make_compile_backend", "make_aot_backend", "build_aot_package",
            "build_in_subprocess", "check_package_loads", "load_aoti_package",
-           "export_model", "padded_batch", "aot_key", "bf16_copy", "local_package_path"]
+           "export_model", "padded_batch", "aot_key", "aot_dtype", "bf16_copy", "half_copy", "local_package_path"]

@@ -23,8 +23,9 @@ class EagerBackend:
         self.device = device
         self.pad_id = pad_id
         self.max_tokens_per_row = max_len
-        # CPU runs fp32; CUDA keeps fp32 weights under bf16 autocast with an fp32 residual stream,
-        # which is what the upstream eager path does.
+        # CPU runs fp32; CUDA keeps fp32 weights under autocast with an fp32 residual stream, which is what
+        # the upstream eager path does (make_backend passes the checkpoint's dtype, cuda_amp_dtype; bf16 here
+        # when constructed directly).
         self.dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         self.model = model.to(device)
         self._lock = threading.Lock()
