@@ -417,3 +417,30 @@ def test_aot_packages_of_different_dtypes_have_different_keys():
     keys = {cache.artifact_key("aoti", "abc", cpu, variant=aot_variant(cuda, dt), arch="sm_90").name
             for dt in (torch.bfloat16, torch.float16)}
     assert len(keys) == 2
+
+
+def test_regional_auto_compiles_regionally_on_an_empty_cache_and_loads_a_cached_whole_graph(builds, tiny_checkpoint,
+                                                                                            tmp_path):
+    """regional="auto": no precompiled whole graph in the seeded cache -> one graph per kind of layer (the shorter
+    cold compile); the whole graph once a replica has published it -> loaded, nothing traced."""
+    with pytest.MonkeyPatch.context() as mp:
+        _isolated_env(mp, str(tmp_path / "node1"))
+        cold = model.load(tiny_checkpoint, device="cpu", backend="compile", cache_dir=str(tmp_path / "empty"),
+                          regional="auto")
+        assert cold.backend.regional is True and cold.backend.regional_choice.startswith("auto: regional")
+    builds.compile()  # a replica that compiled the whole graph and published it
+    with pytest.MonkeyPatch.context() as mp:
+        _isolated_env(mp, str(tmp_path / "node2"))
+        mp.setenv("LAYA_FLEET_COMPILE_REGIONAL", "auto")
+        warm = model.load(tiny_checkpoint, device="cpu", backend="compile", cache_dir=builds.compile_shared)
+        assert warm.backend.regional is False and warm.backend.regional_choice.startswith("auto: whole graph")
+        warm.warmup()
+        assert warm.backend.precompile_state == "loaded"
+
+
+def test_a_bad_regional_setting_names_the_variable(tiny_checkpoint, tmp_path):
+    with pytest.MonkeyPatch.context() as mp:
+        _isolated_env(mp, str(tmp_path / "node"))
+        mp.setenv("LAYA_FLEET_COMPILE_REGIONAL", "sometimes")
+        with pytest.raises(ValueError, match="LAYA_FLEET_COMPILE_REGIONAL='sometimes'"):
+            model.load(tiny_checkpoint, device="cpu", backend="compile", cache_dir=str(tmp_path / "c"))

@@ -226,10 +226,17 @@ class CompileBackend(_Padded):
 
     def __init__(self, model: torch.nn.Module, bundle: Any, device: torch.device, align: bool = True,
                  mode: str | None = None, dtype: torch.dtype | str | None = None, fullgraph: bool = True,
-                 single_row_graph: bool = False, precompile: bool | None = None, regional: bool | None = None):
+                 single_row_graph: bool = False, precompile: bool | None = None,
+                 regional: bool | str | None = None):
         super().__init__(bundle, device)
         self.precompile = (os.environ.get(PRECOMPILE_ENV, "1") != "0") if precompile is None else bool(precompile)
-        self.regional = (os.environ.get(REGIONAL_ENV, "0") == "1") if regional is None else bool(regional)
+        if regional is None:
+            env = os.environ.get(REGIONAL_ENV, "0").strip().lower() or "0"
+            if env not in ("0", "1", "auto"):
+                raise ValueError("%s=%r: use 0, 1 or auto" % (REGIONAL_ENV, env))
+            regional = {"0": False, "1": True}.get(env, "auto")
+        self.regional = regional if regional == "auto" else bool(regional)
+        self.regional_choice = "auto" if regional == "auto" else "set"
         self.precompile_state = "off"
         self.precompile_misses = 0  # batches the precompiled graph's guards refused (served by tracing)
         self._pre: Any = None  # the precompiled graph (torch.compile'd _AlignedGraph with a loaded AOT forward)
@@ -255,6 +262,16 @@ class CompileBackend(_Padded):
         self.strict = True
         from ..native import NativeModernBert
 
+        if self.regional == "auto":
+            # the whole graph when its precompiled form is already here (seeded from the shared cache: a warm
+            # start without tracing and the cheaper calls), else one graph per kind of layer (a cold compile
+            # about half as long, a warm start that re-traces three small graphs)
+            self.regional = False
+            path = self.precompile_path()
+            self.regional = not (path is not None and os.path.isfile(path))
+            self.regional_choice = "auto: %s" % ("regional (no precompiled whole graph in the cache)"
+                                                 if self.regional else "whole graph (precompiled in the cache)")
+            log.info("compile backend: %s", self.regional_choice)
         if self.regional and not isinstance(getattr(self.model, "encoder", None), NativeModernBert):
             log.warning("compile backend: regional compilation needs the native encoder; compiling the whole model")
             self.regional = False
@@ -437,7 +454,8 @@ class CompileBackend(_Padded):
 def make_compile_backend(model: torch.nn.Module, bundle: Any, device: torch.device, **options: Any) -> CompileBackend:
     """The `compile` backend (options: align=True, mode=None, dtype=None|"bf16", fullgraph=True,
     single_row_graph=False, precompile=None: $LAYA_FLEET_COMPILE_PRECOMPILE, default on, regional=None:
-    $LAYA_FLEET_COMPILE_REGIONAL, default off: one graph per kind of encoder layer instead of the whole model)."""
+    $LAYA_FLEET_COMPILE_REGIONAL, default off: one graph per kind of encoder layer instead of the whole model;
+    "auto": the whole graph when its precompiled form is already in the (seeded) cache, else regional)."""
     known = {"align", "mode", "dtype", "fullgraph", "single_row_graph", "precompile", "regional"}
     return CompileBackend(model, bundle, device, **{k: v for k, v in options.items() if k in known})
 
