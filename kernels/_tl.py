@@ -14,8 +14,16 @@ from collections.abc import Callable
 from typing import Any
 
 BF16 = "bfloat16"
+F16 = "float16"
 F32 = "float32"
 I32 = "int32"
+
+
+def dt(dtype: Any) -> str:
+    """TileLang's name for a torch dtype (bf16, fp16 or fp32)."""
+    import torch
+
+    return {torch.bfloat16: BF16, torch.float16: F16, torch.float32: F32}[dtype]
 
 log = logging.getLogger(__name__)
 _lock = threading.RLock()

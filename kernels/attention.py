@@ -118,8 +118,9 @@ def attention_dense(qkv: torch.Tensor, tok_row: torch.Tensor, pos: torch.Tensor,
     return o[0].transpose(0, 1).reshape(Ttok, heads * HEAD_DIM).to(qkv.dtype)
 
 
-def build_attention(heads: int, window: int = 0, cfg: AttnConfig = DEFAULT):
-    """The PrimFunc main(QKV[Ttok,3H*64] bf16, Cu[NC] i32, Tiles[NT,2] i32, O[Ttok,H*64] bf16)."""
+def build_attention(heads: int, window: int = 0, cfg: AttnConfig = DEFAULT, dtype: str = "bfloat16"):
+    """The PrimFunc main(QKV[Ttok,3H*64] dtype, Cu[NC] i32, Tiles[NT,2] i32, O[Ttok,H*64] dtype); dtype bfloat16
+    or float16 (the probabilities enter the second product in it too)."""
     _, T = _tl.tl()
     bm, bn = cfg.bm, cfg.bn
     Ttok = T.dynamic("Ttok")
@@ -128,18 +129,18 @@ def build_attention(heads: int, window: int = 0, cfg: AttnConfig = DEFAULT):
     D = HEAD_DIM
     HD = heads * D
     scale = D ** -0.5 * LOG2E
-    BF16, F32, I32 = _tl.BF16, _tl.F32, _tl.I32
+    DT, F32, I32 = dtype, _tl.F32, _tl.I32
 
     @T.prim_func
-    def main(QKV: T.Tensor((Ttok, 3 * HD), BF16), Cu: T.Tensor((NC,), I32), Tiles: T.Tensor((NT, 2), I32),
-             Out: T.Tensor((Ttok, HD), BF16)):
+    def main(QKV: T.Tensor((Ttok, 3 * HD), DT), Cu: T.Tensor((NC,), I32), Tiles: T.Tensor((NT, 2), I32),
+             Out: T.Tensor((Ttok, HD), DT)):
         with T.Kernel(NT, heads, threads=cfg.threads) as (bt, bh):
-            Q_s = T.alloc_shared((bm, D), BF16)
-            K_s = T.alloc_shared((bn, D), BF16)
-            V_s = T.alloc_shared((bn, D), BF16)
-            O_s = T.alloc_shared((bm, D), BF16)
+            Q_s = T.alloc_shared((bm, D), DT)
+            K_s = T.alloc_shared((bn, D), DT)
+            V_s = T.alloc_shared((bn, D), DT)
+            O_s = T.alloc_shared((bm, D), DT)
             s = T.alloc_fragment((bm, bn), F32)
-            s_c = T.alloc_fragment((bm, bn), BF16)
+            s_c = T.alloc_fragment((bm, bn), DT)
             acc = T.alloc_fragment((bm, D), F32)
             m = T.alloc_fragment((bm,), F32)
             m_prev = T.alloc_fragment((bm,), F32)
@@ -205,11 +206,13 @@ def build_attention(heads: int, window: int = 0, cfg: AttnConfig = DEFAULT):
     return main
 
 
-def attention_kernel(heads: int, window: int = 0, cfg: AttnConfig = DEFAULT):
-    """The compiled attention kernel for (heads, window, cfg), built once per process."""
-    name = _tl.kernel_name("lf_attn", h=heads, w=window, c=cfg.tag())
-    return _tl.memo(("attn", heads, window, cfg),
-                    lambda: _tl.compile_func(lambda: build_attention(heads, window, cfg), name, fast_math=True,
+def attention_kernel(heads: int, window: int = 0, cfg: AttnConfig = DEFAULT, dtype: torch.dtype = torch.bfloat16):
+    """The compiled attention kernel for (heads, window, cfg, dtype), built once per process."""
+    d = _tl.dt(dtype)
+    extra = {} if d == _tl.BF16 else {"i": d}  # bf16 kernels keep their names (and cache entries)
+    name = _tl.kernel_name("lf_attn", h=heads, w=window, c=cfg.tag(), **extra)
+    return _tl.memo(("attn", heads, window, cfg, d),
+                    lambda: _tl.compile_func(lambda: build_attention(heads, window, cfg, d), name, fast_math=True,
                                              pass_configs=None if cfg.ws else {"tl.disable_warp_specialized": True}))
 
 
@@ -218,7 +221,7 @@ def attention(qkv: torch.Tensor, cu: torch.Tensor, tiles: torch.Tensor, heads: i
     """Run the packed attention on CUDA tensors; returns `out` (zero-initialised when None)."""
     if out is None:
         out = torch.zeros(qkv.shape[0], heads * HEAD_DIM, dtype=qkv.dtype, device=qkv.device)
-    attention_kernel(heads, window, cfg)(qkv, cu, tiles, out)
+    attention_kernel(heads, window, cfg, qkv.dtype)(qkv, cu, tiles, out)
     return out
 
 

@@ -94,7 +94,8 @@ class FastStats:
 
 
 class _Layer:
-    """Weights of one encoder or head layer on the device (GEMM weights bf16, norms and biases fp32)."""
+    """Weights of one encoder or head layer on the device (GEMM weights in the activation dtype, norms and
+    biases fp32)."""
 
     def __init__(self, **kw: Any):
         self.__dict__.update(kw)
@@ -102,33 +103,37 @@ class _Layer:
 
 def kernel_specs(d: int, heads: int, inter: int, ffn: int, windows, eps: float = 1e-5, head_eps=(1e-5,),
                  qkv_bias: bool = False, out_bias: bool = False, norm_bias: bool = False,
-                 attn_cfg: _attn.AttnConfig = _attn.DEFAULT) -> list[tuple[str, tuple]]:
-    """Every (op, builder args) the forward of a model of this shape launches (both tile regimes)."""
+                 attn_cfg: _attn.AttnConfig = _attn.DEFAULT,
+                 dtype: torch.dtype = torch.bfloat16) -> list[tuple[str, tuple]]:
+    """Every (op, builder args) the forward of a model of this shape launches (both tile regimes); `dtype` is
+    the activations' and GEMM weights' (bf16, or fp16: those specs carry it as a last argument)."""
     specs: list[tuple[str, tuple]] = []
-    bf = torch.bfloat16
+    bf = dtype
+    half = () if dtype == torch.bfloat16 else (dtype,)  # bf16 specs keep their historical form
     for g, gg in ((_gemm.SMALL, _geglu.SMALL), (None, _geglu.pick_config(_gemm.SMALL_M + 1, inter, d))):
         def cfg(M: int, N: int, K: int, g=g) -> _gemm.GemmConfig:
             return g if g is not None else _gemm.pick_config(M, N, K)
 
         big = _gemm.SMALL_M + 1
-        specs += [("gemm", (3 * d, d, qkv_bias, "none", cfg(big, 3 * d, d), bf)),
-                  ("gemm", (d, d, out_bias, "none", cfg(big, d, d), bf)),
-                  ("geglu", (inter, d, gg)),
-                  ("gemm", (d, inter, out_bias, "none", cfg(big, d, inter), bf)),
-                  ("gemm", (3 * d, d, True, "none", cfg(big, 3 * d, d), bf)),
-                  ("gemm", (d, d, True, "none", cfg(big, d, d), bf)),
-                  ("gemm", (ffn, d, True, "relu", cfg(big, ffn, d), bf)),
-                  ("gemm", (d, ffn, True, "none", cfg(big, d, ffn), bf)),
-                  ("gemm", (d, d, True, "gelu", cfg(big, d, d), bf))]
-    specs.append(("gemm", (SCORER_PAD, d, True, "none", _gemm.NARROW, torch.float32)))
-    specs += [("add_ln", (d, "inplace", norm_bias, eps, bf)), ("add_ln", (d, "add", norm_bias, eps, bf)),
-              ("add_ln", (d, "add_inplace", norm_bias, eps, bf))]
+        specs += [("gemm", (3 * d, d, qkv_bias, "none", cfg(big, 3 * d, d), bf, *half)),
+                  ("gemm", (d, d, out_bias, "none", cfg(big, d, d), bf, *half)),
+                  ("geglu", (inter, d, gg, *half)),
+                  ("gemm", (d, inter, out_bias, "none", cfg(big, d, inter), bf, *half)),
+                  ("gemm", (3 * d, d, True, "none", cfg(big, 3 * d, d), bf, *half)),
+                  ("gemm", (d, d, True, "none", cfg(big, d, d), bf, *half)),
+                  ("gemm", (ffn, d, True, "relu", cfg(big, ffn, d), bf, *half)),
+                  ("gemm", (d, ffn, True, "none", cfg(big, d, ffn), bf, *half)),
+                  ("gemm", (d, d, True, "gelu", cfg(big, d, d), bf, *half))]
+    specs.append(("gemm", (SCORER_PAD, d, True, "none", _gemm.NARROW, torch.float32, *half)))
+    ln = (None, dtype) if half else ()  # add_ln's (cfg, residual dtype)
+    specs += [("add_ln", (d, "inplace", norm_bias, eps, bf, *ln)), ("add_ln", (d, "add", norm_bias, eps, bf, *ln)),
+              ("add_ln", (d, "add_inplace", norm_bias, eps, bf, *ln))]
     for e in sorted(set(head_eps)):
-        specs += [("add_ln", (d, "plain", True, e, bf)), ("add_ln", (d, "add", True, e, bf))]
-    specs.append(("rope", (heads,)))
+        specs += [("add_ln", (d, "plain", True, e, bf, *ln)), ("add_ln", (d, "add", True, e, bf, *ln))]
+    specs.append(("rope", (heads, _rope.RopeConfig(), dtype) if half else (heads,)))
     for win in sorted(set(windows) | {0}):
-        specs.append(("attention", (heads, win, attn_cfg)))
-    specs.append(("attention", (max(1, d // 64), 0, attn_cfg)))
+        specs.append(("attention", (heads, win, attn_cfg, *half)))
+    specs.append(("attention", (max(1, d // 64), 0, attn_cfg, *half)))
     return list(dict.fromkeys(specs))
 
 
@@ -162,9 +167,12 @@ class FastForward:
             ok, why = _tl.available()
             if not ok:
                 raise BackendUnavailable("tilelang is not importable (%s)" % why)
+        if isinstance(act_dtype, str):
+            act_dtype = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
+                         "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}[act_dtype]
         self.act_dtype = act_dtype or (torch.bfloat16 if uses_tl else torch.float32)
-        if uses_tl and self.act_dtype != torch.bfloat16:
-            raise ValueError("the TileLang kernels run bf16 activations")
+        if uses_tl and self.act_dtype not in (torch.bfloat16, torch.float16):
+            raise ValueError("the TileLang kernels run bf16 or fp16 activations, not %s" % self.act_dtype)
         self.use_graphs = (self.device.type == "cuda") if use_graphs is None else bool(use_graphs)
         if self.use_graphs and self.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
@@ -306,7 +314,7 @@ class FastForward:
         specs = kernel_specs(self.d, self.heads, self.inter, self.ffn, {x.window for x in self.layers}, self.eps,
                              {hl.norm1[2] for hl in self.head_layers} | {hl.norm2[2] for hl in self.head_layers}
                              | {self.scorer_norm[2]}, ly.bqkv is not None, ly.bo is not None,
-                             self.emb_norm[1] is not None, self.attn_cfg)
+                             self.emb_norm[1] is not None, self.attn_cfg, self.act_dtype)
         return [sp for sp in specs if self.ops[sp[0]] == "tilelang"]
 
     def _compile_all(self, workers: int | None) -> None:
@@ -336,7 +344,7 @@ class FastForward:
             M, N = a.shape[0], w.shape[0]
             cfg = _gemm.pick_config(M, N, a.shape[1])
             b = bias if bias is not None else self._zero_bias[:N]
-            _gemm.gemm_kernel(N, a.shape[1], bias is not None, act, cfg, out.dtype)(a, w, b, out)
+            _gemm.gemm_kernel(N, a.shape[1], bias is not None, act, cfg, out.dtype, a.dtype)(a, w, b, out)
         else:
             out.copy_(_gemm.gemm_ref(a, w, bias, act, out.dtype))
         self._done(tok)
@@ -345,7 +353,7 @@ class FastForward:
         tok = self._mark("geglu %dx%d" % (wi.shape[0] // 2, a.shape[1]))
         if self.ops["geglu"] == "tilelang":
             cfg = _geglu.pick_config(a.shape[0], wi.shape[0] // 2, a.shape[1])
-            _geglu.geglu_kernel(wi.shape[0] // 2, a.shape[1], cfg)(a, wi, out)
+            _geglu.geglu_kernel(wi.shape[0] // 2, a.shape[1], cfg, a.dtype)(a, wi, out)
         else:
             out.copy_(_geglu.geglu_ref(a, wi))
         self._done(tok)
@@ -355,7 +363,8 @@ class FastForward:
         wt, b = norm[0], norm[1]
         if self.ops["add_ln"] == "tilelang":
             rr = r if r is not None else self.R[:x.shape[0]]   # not read, but the host stub checks it
-            _ln.add_ln_kernel(x.shape[1], mode, b is not None, eps, y.dtype)(x, rr, wt, b if b is not None else wt, y)
+            _ln.add_ln_kernel(x.shape[1], mode, b is not None, eps, y.dtype, r_dtype=rr.dtype)(
+                x, rr, wt, b if b is not None else wt, y)
         else:
             xn, yn = _ln.add_ln_ref(x, r, wt, b, eps, mode, y.dtype)
             if mode != "plain":
@@ -367,7 +376,7 @@ class FastForward:
         tok = self._mark("rope")
         cos, sin = table
         if self.ops["rope"] == "tilelang":
-            _rope.rope_kernel(self.heads)(qkv, pos, cos, sin)
+            _rope.rope_kernel(self.heads, dtype=qkv.dtype)(qkv, pos, cos, sin)
         else:
             qkv.copy_(_rope.rope_ref(qkv, pos, cos, sin, self.heads))
         self._done(tok)
@@ -375,7 +384,7 @@ class FastForward:
     def _attention(self, qkv, v, heads, window, out):
         tok = self._mark("attention %s" % ("window %d" % window if window else "full %d heads" % heads))
         if self.ops["attention"] == "tilelang":
-            _attn.attention_kernel(heads, window, self.attn_cfg)(qkv, v["cu"], v["tiles"], out)
+            _attn.attention_kernel(heads, window, self.attn_cfg, qkv.dtype)(qkv, v["cu"], v["tiles"], out)
         else:
             out.copy_(_attn.attention_dense(qkv, v["trow"], v["pos"], heads, window))
         self._done(tok)
@@ -708,7 +717,8 @@ class FastBackend:
 def make_backend(model: torch.nn.Module, bundle: Any, device: torch.device, **options: Any) -> FastBackend:
     """The registered factory: a FastBackend, or BackendUnavailable naming why it cannot run here.
 
-    Options: ops ("tilelang" | "torch" | {op: impl}), use_graphs, max_batch_tokens, compile_workers."""
+    Options: ops ("tilelang" | "torch" | {op: impl}), use_graphs, max_batch_tokens, compile_workers, attn_cfg,
+    act_dtype (torch.bfloat16, the default, or torch.float16 / "fp16": activations and GEMM weights)."""
     allowed = {"ops", "use_graphs", "max_batch_tokens", "compile_workers", "attn_cfg", "act_dtype"}
     unknown = set(options) - allowed
     if unknown:
@@ -721,8 +731,8 @@ def make_backend(model: torch.nn.Module, bundle: Any, device: torch.device, **op
 
         if cuda_amp_dtype(bundle.cfg, device) != torch.bfloat16:
             log.warning("fast backend: %s asks for fp16 compute (amp_dtype / $LAYA_FLEET_CUDA_AMP); the TileLang "
-                        "kernels run bf16, so answers differ from the eager and compiled backends by bf16's error",
-                        bundle.path)
+                        "kernels run bf16 unless act_dtype=torch.float16 is passed (fp16 kernels: compiled and "
+                        "checked on the CPU, not yet measured on a GPU)", bundle.path)
     return FastBackend(FastForward(model, bundle, device, **options))
 
 

@@ -52,25 +52,25 @@ def geglu_ref(a: torch.Tensor, wi: torch.Tensor) -> torch.Tensor:
     return (F.gelu(x) * gate).to(a.dtype)
 
 
-def build_geglu(Fd: int, K: int, cfg: GegluConfig = LARGE):
-    """The TileLang PrimFunc main(A[M,K] bf16, Wi[2F,K] bf16, C[M,F] bf16)."""
+def build_geglu(Fd: int, K: int, cfg: GegluConfig = LARGE, dtype: str = "bfloat16"):
+    """The TileLang PrimFunc main(A[M,K], Wi[2F,K], C[M,F]), all `dtype` (bfloat16 or float16)."""
     if cfg.bn % 16 or cfg.bk % 16:
         raise ValueError("block_N and block_K must be multiples of 16")
     _, T = _tl.tl()
     bm, bn, bk = cfg.bm, cfg.bn, cfg.bk
     M = T.dynamic("M")
     policy = T.GemmWarpPolicy.FullRow if cfg.full_row else T.GemmWarpPolicy.Square
-    BF16, F32 = _tl.BF16, _tl.F32
+    DT, F32 = dtype, _tl.F32
 
     @T.prim_func
-    def main(A: T.Tensor((M, K), BF16), Wi: T.Tensor((2 * Fd, K), BF16), C: T.Tensor((M, Fd), BF16)):
+    def main(A: T.Tensor((M, K), DT), Wi: T.Tensor((2 * Fd, K), DT), C: T.Tensor((M, Fd), DT)):
         with T.Kernel(T.ceildiv(Fd, bn), T.ceildiv(M, bm), threads=cfg.threads) as (bx, by):
-            A_s = T.alloc_shared((bm, bk), BF16)
-            Wx_s = T.alloc_shared((bn, bk), BF16)
-            Wg_s = T.alloc_shared((bn, bk), BF16)
+            A_s = T.alloc_shared((bm, bk), DT)
+            Wx_s = T.alloc_shared((bn, bk), DT)
+            Wg_s = T.alloc_shared((bn, bk), DT)
             Cx = T.alloc_fragment((bm, bn), F32)
             Cg = T.alloc_fragment((bm, bn), F32)
-            C_s = T.alloc_shared((bm, bn), BF16)
+            C_s = T.alloc_shared((bm, bn), DT)
             T.clear(Cx)
             T.clear(Cg)
             for k in T.Pipelined(T.ceildiv(K, bk), num_stages=cfg.stages):
@@ -87,10 +87,12 @@ def build_geglu(Fd: int, K: int, cfg: GegluConfig = LARGE):
     return main
 
 
-def geglu_kernel(Fd: int, K: int, cfg: GegluConfig = LARGE):
-    """The compiled GeGLU kernel for (F, K, cfg), built once per process."""
-    name = _tl.kernel_name("lf_geglu", f=Fd, k=K, c=cfg.tag())
-    return _tl.memo(("geglu", Fd, K, cfg), lambda: _tl.compile_func(lambda: build_geglu(Fd, K, cfg), name))
+def geglu_kernel(Fd: int, K: int, cfg: GegluConfig = LARGE, dtype: torch.dtype = torch.bfloat16):
+    """The compiled GeGLU kernel for (F, K, cfg, dtype), built once per process."""
+    d = _tl.dt(dtype)
+    extra = {} if d == _tl.BF16 else {"i": d}  # bf16 kernels keep their names (and cache entries)
+    name = _tl.kernel_name("lf_geglu", f=Fd, k=K, c=cfg.tag(), **extra)
+    return _tl.memo(("geglu", Fd, K, cfg, d), lambda: _tl.compile_func(lambda: build_geglu(Fd, K, cfg, d), name))
 
 
 def geglu(a: torch.Tensor, wi: torch.Tensor, out: torch.Tensor | None = None,
@@ -100,8 +102,8 @@ def geglu(a: torch.Tensor, wi: torch.Tensor, out: torch.Tensor | None = None,
     Fd = wi.shape[0] // 2
     cfg = cfg or pick_config(M, Fd, K)
     if out is None:
-        out = torch.empty(M, Fd, dtype=torch.bfloat16, device=a.device)
-    geglu_kernel(Fd, K, cfg)(a, wi, out)
+        out = torch.empty(M, Fd, dtype=a.dtype, device=a.device)
+    geglu_kernel(Fd, K, cfg, a.dtype)(a, wi, out)
     return out
 
 

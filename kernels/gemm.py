@@ -76,8 +76,9 @@ def apply_act(x, act: str, T):
 
 
 def build_gemm(N: int, K: int, bias: bool = False, act: str = "none", cfg: GemmConfig = LARGE,
-               out_dtype: str = "bfloat16"):
-    """The TileLang PrimFunc main(A[M,K] bf16, W[N,K] bf16, Bias[N] f32, C[M,N] out_dtype (bf16 or f32))."""
+               out_dtype: str = "bfloat16", in_dtype: str = "bfloat16"):
+    """The TileLang PrimFunc main(A[M,K] in_dtype, W[N,K] in_dtype, Bias[N] f32, C[M,N] out_dtype); in_dtype
+    bfloat16 or float16, out_dtype one of those or float32."""
     if act not in ACTS:
         raise ValueError("act must be one of %s, got %r" % (ACTS, act))
     if cfg.bn % 16 or cfg.bk % 16:
@@ -86,14 +87,14 @@ def build_gemm(N: int, K: int, bias: bool = False, act: str = "none", cfg: GemmC
     bm, bn, bk = cfg.bm, cfg.bn, cfg.bk
     M = T.dynamic("M")
     policy = T.GemmWarpPolicy.FullRow if cfg.full_row else T.GemmWarpPolicy.Square
-    BF16, F32 = _tl.BF16, _tl.F32
+    IN, F32 = in_dtype, _tl.F32
 
     @T.prim_func
-    def main(A: T.Tensor((M, K), BF16), W: T.Tensor((N, K), BF16), Bias: T.Tensor((N,), F32),
+    def main(A: T.Tensor((M, K), IN), W: T.Tensor((N, K), IN), Bias: T.Tensor((N,), F32),
              C: T.Tensor((M, N), out_dtype)):
         with T.Kernel(T.ceildiv(N, bn), T.ceildiv(M, bm), threads=cfg.threads) as (bx, by):
-            A_s = T.alloc_shared((bm, bk), BF16)
-            W_s = T.alloc_shared((bn, bk), BF16)
+            A_s = T.alloc_shared((bm, bk), IN)
+            W_s = T.alloc_shared((bn, bk), IN)
             C_l = T.alloc_fragment((bm, bn), F32)
             C_s = T.alloc_shared((bm, bn), out_dtype)
             T.clear(C_l)
@@ -114,12 +115,13 @@ def build_gemm(N: int, K: int, bias: bool = False, act: str = "none", cfg: GemmC
 
 
 def gemm_kernel(N: int, K: int, bias: bool = False, act: str = "none", cfg: GemmConfig = LARGE,
-                out_dtype: torch.dtype = torch.bfloat16):
-    """The compiled GEMM for (N, K, bias, act, cfg, out dtype), built once per process."""
-    od = {torch.bfloat16: _tl.BF16, torch.float32: _tl.F32}[out_dtype]
-    name = _tl.kernel_name("lf_gemm", n=N, k=K, b=int(bias), a=act, c=cfg.tag(), o=od)
-    return _tl.memo(("gemm", N, K, bias, act, cfg, od),
-                    lambda: _tl.compile_func(lambda: build_gemm(N, K, bias, act, cfg, od), name))
+                out_dtype: torch.dtype = torch.bfloat16, in_dtype: torch.dtype = torch.bfloat16):
+    """The compiled GEMM for (N, K, bias, act, cfg, out dtype, input dtype), built once per process."""
+    od, idt = _tl.dt(out_dtype), _tl.dt(in_dtype)
+    extra = {} if idt == _tl.BF16 else {"i": idt}  # bf16 kernels keep their names (and cache entries)
+    name = _tl.kernel_name("lf_gemm", n=N, k=K, b=int(bias), a=act, c=cfg.tag(), o=od, **extra)
+    return _tl.memo(("gemm", N, K, bias, act, cfg, od, idt),
+                    lambda: _tl.compile_func(lambda: build_gemm(N, K, bias, act, cfg, od, idt), name))
 
 
 def gemm(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, act: str = "none",
@@ -129,9 +131,9 @@ def gemm(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, act
     N = w.shape[0]
     cfg = cfg or pick_config(M, N, K)
     if out is None:
-        out = torch.empty(M, N, dtype=torch.bfloat16, device=a.device)
+        out = torch.empty(M, N, dtype=a.dtype, device=a.device)
     b = bias if bias is not None else _zeros(N, a.device)
-    gemm_kernel(N, K, bias is not None, act, cfg, out.dtype)(a, w, b, out)
+    gemm_kernel(N, K, bias is not None, act, cfg, out.dtype, a.dtype)(a, w, b, out)
     return out
 
 

@@ -61,8 +61,8 @@ def add_ln_ref(x: torch.Tensor, r: torch.Tensor | None, w: torch.Tensor, b: torc
 
 
 def build_add_ln(D: int, mode: str = "add", bias: bool = False, eps: float = 1e-5, out_dtype: str = "bfloat16",
-                 cfg: LNConfig | None = None):
-    """The TileLang PrimFunc main(X[M,D] f32, R[M,D] bf16, W[D] f32, B[D] f32, Y[M,D] out_dtype);
+                 cfg: LNConfig | None = None, r_dtype: str = "bfloat16"):
+    """The TileLang PrimFunc main(X[M,D] f32, R[M,D] r_dtype, W[D] f32, B[D] f32, Y[M,D] out_dtype);
     cfg None = default_config(D)."""
     if mode not in MODES:
         raise ValueError("mode must be one of %s, got %r" % (MODES, mode))
@@ -70,13 +70,13 @@ def build_add_ln(D: int, mode: str = "add", bias: bool = False, eps: float = 1e-
     _, T = _tl.tl()
     bm = cfg.bm
     M = T.dynamic("M")
-    BF16, F32 = _tl.BF16, _tl.F32
+    RD, F32 = r_dtype, _tl.F32
     inv_d = 1.0 / D
     residual = mode in ("add", "add_inplace")
     to_x = mode in ("inplace", "add_inplace")
 
     @T.prim_func
-    def main(X: T.Tensor((M, D), F32), R: T.Tensor((M, D), BF16), Wt: T.Tensor((D,), F32), Bs: T.Tensor((D,), F32),
+    def main(X: T.Tensor((M, D), F32), R: T.Tensor((M, D), RD), Wt: T.Tensor((D,), F32), Bs: T.Tensor((D,), F32),
              Y: T.Tensor((M, D), out_dtype)):
         with T.Kernel(T.ceildiv(M, bm), threads=cfg.threads) as bx:
             x = T.alloc_fragment((bm, D), F32)
@@ -111,34 +111,33 @@ def build_add_ln(D: int, mode: str = "add", bias: bool = False, eps: float = 1e-
     return main
 
 
-def _dt(dtype: torch.dtype) -> str:
-    return {torch.bfloat16: _tl.BF16, torch.float32: _tl.F32}[dtype]
-
-
 def add_ln_kernel(D: int, mode: str = "add", bias: bool = False, eps: float = 1e-5,
-                  out_dtype: torch.dtype = torch.bfloat16, cfg: LNConfig | None = None):
-    """The compiled kernel for one (D, mode, bias, eps, out dtype, cfg), built once per process
-    (cfg None = default_config(D))."""
+                  out_dtype: torch.dtype = torch.bfloat16, cfg: LNConfig | None = None,
+                  r_dtype: torch.dtype = torch.bfloat16):
+    """The compiled kernel for one (D, mode, bias, eps, out dtype, cfg, residual-input dtype), built once per
+    process (cfg None = default_config(D))."""
     cfg = cfg or default_config(D)
-    od = _dt(out_dtype)
-    name = _tl.kernel_name("lf_addln", d=D, m=mode, b=int(bias), e="%g" % eps, o=od, c=cfg.tag())
-    return _tl.memo(("add_ln", D, mode, bias, float(eps), od, cfg),
-                    lambda: _tl.compile_func(lambda: build_add_ln(D, mode, bias, eps, od, cfg), name))
+    od, rd = _tl.dt(out_dtype), _tl.dt(r_dtype)
+    extra = {} if rd == _tl.BF16 else {"r": rd}  # bf16 kernels keep their names (and cache entries)
+    name = _tl.kernel_name("lf_addln", d=D, m=mode, b=int(bias), e="%g" % eps, o=od, c=cfg.tag(), **extra)
+    return _tl.memo(("add_ln", D, mode, bias, float(eps), od, cfg, rd),
+                    lambda: _tl.compile_func(lambda: build_add_ln(D, mode, bias, eps, od, cfg, rd), name))
 
 
 def add_ln(x: torch.Tensor, r: torch.Tensor | None, w: torch.Tensor, b: torch.Tensor | None, eps: float,
            y: torch.Tensor, mode: str = "add") -> torch.Tensor:
     """Run the kernel in place on CUDA tensors (X updated per `mode`); returns y."""
     D = x.shape[1]
-    rr = r if r is not None else _dummy(x.shape[0], D, x.device)
+    half = y.dtype if y.dtype != torch.float32 else torch.bfloat16
+    rr = r if r is not None else _dummy(x.shape[0], D, x.device, half)
     bb = b if b is not None else w
-    add_ln_kernel(D, mode, b is not None, eps, y.dtype)(x, rr, w, bb, y)
+    add_ln_kernel(D, mode, b is not None, eps, y.dtype, r_dtype=rr.dtype)(x, rr, w, bb, y)
     return y
 
 
-def _dummy(M: int, D: int, device: torch.device) -> torch.Tensor:
+def _dummy(M: int, D: int, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     # R is not read outside the residual modes, but the host stub checks its shape and dtype
-    return torch.empty(M, D, dtype=torch.bfloat16, device=device)
+    return torch.empty(M, D, dtype=dtype, device=device)
 
 
 __all__ = ["LNConfig", "MODES", "default_config", "add_ln_ref", "build_add_ln", "add_ln_kernel", "add_ln"]

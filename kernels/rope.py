@@ -56,18 +56,18 @@ def rope_ref(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch
     return x.view(M, -1).to(qkv.dtype)
 
 
-def build_rope(heads: int, cfg: RopeConfig = RopeConfig()):
-    """The TileLang PrimFunc main(QKV[M, 3*H*64] bf16, Pos[M] i32, Cos[P,32] f32, Sin[P,32] f32), in place."""
+def build_rope(heads: int, cfg: RopeConfig = RopeConfig(), dtype: str = "bfloat16"):
+    """The TileLang PrimFunc main(QKV[M, 3*H*64] dtype, Pos[M] i32, Cos[P,32] f32, Sin[P,32] f32), in place."""
     _, T = _tl.tl()
     bm = cfg.bm
     M = T.dynamic("M")
     P = T.dynamic("P")
     W = 3 * heads * HEAD_DIM
     pairs = 2 * heads * HALF
-    BF16, F32, I32 = _tl.BF16, _tl.F32, _tl.I32
+    DT, F32, I32 = dtype, _tl.F32, _tl.I32
 
     @T.prim_func
-    def main(QKV: T.Tensor((M, W), BF16), Pos: T.Tensor((M,), I32), Cos: T.Tensor((P, HALF), F32),
+    def main(QKV: T.Tensor((M, W), DT), Pos: T.Tensor((M,), I32), Cos: T.Tensor((P, HALF), F32),
              Sin: T.Tensor((P, HALF), F32)):
         with T.Kernel(T.ceildiv(M, bm), threads=cfg.threads) as bx:
             for i, c in T.Parallel(bm, pairs):
@@ -80,21 +80,23 @@ def build_rope(heads: int, cfg: RopeConfig = RopeConfig()):
                     x1 = T.Cast(F32, QKV[r, c0 + HALF])
                     cs = Cos[p, d]
                     sn = Sin[p, d]
-                    QKV[r, c0] = T.Cast(BF16, x0 * cs - x1 * sn)
-                    QKV[r, c0 + HALF] = T.Cast(BF16, x1 * cs + x0 * sn)
+                    QKV[r, c0] = T.Cast(DT, x0 * cs - x1 * sn)
+                    QKV[r, c0 + HALF] = T.Cast(DT, x1 * cs + x0 * sn)
 
     return main
 
 
-def rope_kernel(heads: int, cfg: RopeConfig = RopeConfig()):
-    """The compiled in-place RoPE kernel for `heads` heads of 64, built once per process."""
-    name = _tl.kernel_name("lf_rope", h=heads, c=cfg.tag())
-    return _tl.memo(("rope", heads, cfg), lambda: _tl.compile_func(lambda: build_rope(heads, cfg), name))
+def rope_kernel(heads: int, cfg: RopeConfig = RopeConfig(), dtype: torch.dtype = torch.bfloat16):
+    """The compiled in-place RoPE kernel for `heads` heads of 64 on a `dtype` buffer, built once per process."""
+    d = _tl.dt(dtype)
+    extra = {} if d == _tl.BF16 else {"i": d}  # bf16 kernels keep their names (and cache entries)
+    name = _tl.kernel_name("lf_rope", h=heads, c=cfg.tag(), **extra)
+    return _tl.memo(("rope", heads, cfg, d), lambda: _tl.compile_func(lambda: build_rope(heads, cfg, d), name))
 
 
 def rope(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int) -> torch.Tensor:
     """Rotate Q and K of a CUDA qkv buffer in place; returns qkv."""
-    rope_kernel(heads)(qkv, pos, cos, sin)
+    rope_kernel(heads, dtype=qkv.dtype)(qkv, pos, cos, sin)
     return qkv
 
 

@@ -37,6 +37,23 @@ def test_packed_forward_matches_eager_fp32(engine, bundle, rows):
     assert fast.stats.chunks > 1  # 2048 tokens per chunk forces several chunks
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_packed_forward_in_half_precision_stays_near_fp32(engine, bundle, rows, dtype):
+    """act_dtype fp16 / bf16 (the kernels' two modes) on the torch ops: activations and GEMM weights rounded,
+    residual stream fp32; fp16 keeps 3 more mantissa bits, so it must be the closer of the two."""
+    l_ref, _ = engine.backend.forward(rows)
+    fast = make_backend(load_model(bundle), bundle, torch.device("cpu"), ops="torch", act_dtype=dtype)
+    assert fast.engine.act_dtype == dtype and fast.engine.QKV.dtype == dtype
+    logits, act = fast.forward(rows)
+    assert np.isfinite(logits).all() and np.isfinite(act).all()
+    dp = np.abs(_softmax(logits) - _softmax(l_ref)).max()
+    assert dp < (0.02 if dtype == torch.float16 else 0.15), dp
+    if dtype == torch.float16:
+        bf = make_backend(load_model(bundle), bundle, torch.device("cpu"), ops="torch", act_dtype=torch.bfloat16)
+        dp_bf = np.abs(_softmax(bf.forward(rows)[0]) - _softmax(l_ref)).max()
+        assert dp < dp_bf, (dp, dp_bf)
+
+
 def test_single_row_and_order(engine, bundle, rows):
     fast = make_backend(load_model(bundle), bundle, torch.device("cpu"), ops="torch")
     one = rows[3:4]
@@ -116,6 +133,22 @@ def test_fast_gpu_matches_eager(engine, bundle, fast_gpu, rows):
     agree_bf = (l_bf.argmax(-1) == l_ref.argmax(-1)).mean()
     assert agree_fast >= agree_bf - 0.03, (agree_fast, agree_bf)
     assert np.abs(p_fast - p_ref).max() <= max(0.02, 1.25 * np.abs(p_bf - p_ref).max())
+
+
+@gpu
+@needs_tilelang
+def test_fast_gpu_fp16_is_closer_to_fp32_than_bf16(engine, bundle, fast_gpu, rows):
+    """The fp16 kernels (act_dtype=torch.float16) against the fp32 reference: finite, and closer than bf16."""
+    l_ref, _ = engine.backend.forward(rows)
+    fp16 = make_backend(load_model(bundle), bundle, torch.device("cuda"), max_batch_tokens=4096,
+                        act_dtype=torch.float16)
+    fp16.warmup(4096)
+    l16, p16 = fp16.forward(rows)
+    l_bf, _ = fast_gpu.forward(rows)
+    assert np.isfinite(l16).all() and np.isfinite(p16).all()
+    dp16 = np.abs(_softmax(l16) - _softmax(l_ref)).max()
+    dp_bf = np.abs(_softmax(l_bf) - _softmax(l_ref)).max()
+    assert dp16 <= max(0.02, dp_bf), (dp16, dp_bf)
 
 
 @gpu

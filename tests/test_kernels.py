@@ -116,6 +116,27 @@ def test_kernels_compile_for_hopper(monkeypatch):
 
 
 @needs_tilelang
+def test_fp16_kernels_compile_for_hopper_with_half_operands(monkeypatch):
+    """act_dtype fp16: every kernel of the forward compiles for sm_90a with fp16 operands (tensor-core products
+    on half inputs, fp32 accumulation), under names of their own; the bf16 kernels keep theirs."""
+    monkeypatch.setenv("LAYA_FLEET_TL_ARCH", "sm_90a")
+    f16 = torch.float16
+    g = gemm.gemm_kernel(1024, 1024, True, "none", gemm.SMALL, f16, f16).get_kernel_source()
+    assert "kFloat16" in g and "kBFloat16" not in g
+    gg = geglu.geglu_kernel(2624, 1024, geglu.SMALL, f16).get_kernel_source()
+    assert "kFloat16" in gg and "kBFloat16" not in gg
+    at = attention.attention_kernel(16, 64, attention.DEFAULT, f16).get_kernel_source()
+    assert "kFloat16" in at and "kBFloat16" not in at
+    ln = layernorm.add_ln_kernel(1024, "add", False, 1e-5, f16, r_dtype=f16).get_kernel_source()
+    assert "half_t" in ln and "bfloat16_t" not in ln
+    rp = rope.rope_kernel(16, dtype=f16).get_kernel_source()
+    assert "half_t" in rp and "bfloat16_t" not in rp
+    bf = attention.attention_kernel(16, 64, attention.DEFAULT).get_kernel_source()
+    assert "kBFloat16" in bf and "lf_attn_h16_w64_c64x64s1t128gn_kernel" in bf
+    assert "lf_attn_h16_w64_c64x64s1t128gn_ifloat16_kernel" in at
+
+
+@needs_tilelang
 @pytest.mark.parametrize("window", [0, 64])
 def test_attention_without_warp_specialisation_compiles_for_hopper(monkeypatch, window):
     """The default (ws=False): no producer warpgroup and no register reallocation, so several blocks share an SM;
