@@ -283,7 +283,8 @@ def attention_child(tags: list[str], heads: int, layers: int, global_every: int 
 
 
 def make_engines(ckpt: str, which: list[str], max_tokens: int, device: str = "cuda", attn_cfg=None) -> dict:
-    """Our engines by name: fast (TileLang), eager (bf16 autocast), fp32 (eager fp32, TF32 off).
+    """Our engines by name: fast (TileLang, bf16), fast16 (TileLang, fp16), eager (bf16 autocast), fp32 (eager
+    fp32, TF32 off).
 
     On a CPU (a dry run of this script) `fast` runs its torch ops instead of the kernels."""
     import torch
@@ -293,10 +294,12 @@ def make_engines(ckpt: str, which: list[str], max_tokens: int, device: str = "cu
     out = {}
     for name in which:
         t = time.perf_counter()
-        if name == "fast":
+        if name in ("fast", "fast16"):
             extra = {"ops": "torch"} if device == "cpu" else {}
             if attn_cfg is not None:
                 extra["attn_cfg"] = attn_cfg
+            if name == "fast16":
+                extra["act_dtype"] = torch.float16
             eng = model.load(ckpt, device=device, backend="fast", max_batch_tokens=max_tokens, **extra)
             w = eng.warmup(max_tokens)
             out[name] = (eng, {"load_s": time.perf_counter() - t - w, "warmup_s": w,
@@ -359,7 +362,7 @@ def section_numerics(res: dict, engines: dict, n_cases: int, ckpt: str | None = 
     out = {"cases": n_cases, "rows": len(rows), "tokens": sum(len(r) for r in rows)}
     ref_l, ref_p = forward_batched(eng, rows)
     ref = probs(ref_l, rows)
-    for name in ("eager", "fast"):
+    for name in ("eager", "fast", "fast16"):
         if name not in engines:
             continue
         lg, p0 = forward_batched(engines[name][0], rows)
@@ -430,7 +433,7 @@ def workloads(seed: int = 0, offline_states: int = 2048, short: int = 34) -> dic
 def section_latency(res: dict, engines: dict, wl: dict) -> None:
     """Our engines on the latency workloads: end-to-end predict/predict_batch and forward only."""
     out = res.setdefault("latency", {})
-    for name in ("fast", "eager"):
+    for name in ("fast", "fast16", "eager"):
         if name not in engines:
             continue
         eng = engines[name][0]
@@ -484,7 +487,7 @@ def section_offline(res: dict, engines: dict, wl: dict, flops_tok: float, budget
     """Offline throughput: forward-only over pre-encoded rows, and end-to-end predict_batch."""
     out = res.setdefault("offline", {})
     states, qs = wl["offline"]
-    for name in ("fast", "eager"):
+    for name in ("fast", "fast16", "eager"):
         if name not in engines or budget.left() < 30:
             continue
         eng = engines[name][0]
@@ -492,16 +495,16 @@ def section_offline(res: dict, engines: dict, wl: dict, flops_tok: float, budget
         rows, _ = rows_of(eng, [(states, qs)])
         t_enc = time.perf_counter() - t
         tok = sum(len(r) for r in rows)
-        bud = 65536 if name == "fast" else 32768
+        bud = 65536 if name.startswith("fast") else 32768
         forward_batched(eng, rows[: min(len(rows), 256)], bud)  # warm
         t = time.perf_counter()
         forward_batched(eng, rows, bud)
         t_fwd = time.perf_counter() - t
         rec = {"states": len(states), "rows": len(rows), "tokens": tok, "encode_s": t_enc, "fwd_s": t_fwd,
                "fwd_tok_s": tok / t_fwd, "fwd_mfu": tok / t_fwd * flops_tok / PEAK_BF16}
-        if budget.left() > (40 if name == "fast" else 150):
+        if budget.left() > (40 if name.startswith("fast") else 150):
             t = time.perf_counter()
-            eng.predict_batch(states, qs, batch_size=256 if name == "fast" else 64, sort_by_length=True)
+            eng.predict_batch(states, qs, batch_size=256 if name.startswith("fast") else 64, sort_by_length=True)
             t_e2e = time.perf_counter() - t
             rec.update(e2e_s=t_e2e, e2e_tok_s=tok / t_e2e)
         out["ours_" + name] = rec
@@ -560,7 +563,7 @@ def table(res: dict) -> str:
     """The side-by-side table as text."""
     lines = []
     lat = res.get("latency", {})
-    systems = ["ours_fast", "ours_eager", "upstream_eager", "upstream_tilelang"]
+    systems = ["ours_fast", "ours_fast16", "ours_eager", "upstream_eager", "upstream_tilelang"]
     lines.append("%-10s %s" % ("workload", " ".join("%18s" % s for s in systems)))
     for w in ("1x1", "1x3", "10x3@512"):
         cells = []
@@ -590,9 +593,9 @@ def table(res: dict) -> str:
                 if r["best"] else "n/a"))
     n = res.get("numerics")
     if n:
-        for k in ("eager", "fast"):
+        for k in ("eager", "fast", "fast16"):
             if k in n:
-                lines.append("numerics %-5s vs fp32 (%d rows): max|dp| %.4f  argmax %.3f  act %.4f  nan %s" % (
+                lines.append("numerics %-6s vs fp32 (%d rows): max|dp| %.4f  argmax %.3f  act %.4f  nan %s" % (
                     k, n["rows"], n[k]["max_dp"], n[k]["argmax_agree"], n[k]["max_dp_act"], n[k]["nan"]))
         for k in ("fp32_bf16_weights", "eager_fp16"):
             if "max_dp" in n.get(k, {}):
@@ -627,15 +630,15 @@ def plot(res: dict, path: str) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    systems = ["ours_fast", "ours_eager", "upstream_eager", "upstream_tilelang"]
+    systems = ["ours_fast", "ours_fast16", "ours_eager", "upstream_eager", "upstream_tilelang"]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     lat = res.get("latency", {})
     ws = ["1x1", "1x3", "10x3@512"]
-    width = 0.2
+    width = 0.16
     for i, s in enumerate(systems):
         vals = [lat.get(w, {}).get(s, {}).get("e2e_ms", 0) for w in ws]
         axes[0].bar([j + i * width for j in range(len(ws))], vals, width, label=s)
-    axes[0].set_xticks([j + 1.5 * width for j in range(len(ws))], ws)
+    axes[0].set_xticks([j + 2 * width for j in range(len(ws))], ws)
     axes[0].set_ylabel("ms (end to end, median)")
     axes[0].set_yscale("log")
     axes[0].legend(fontsize=8)
@@ -752,7 +755,7 @@ def main(argv=None) -> int:
     flops_tok = flops_per_token(ec.hidden_size, ec.num_hidden_layers, ec.intermediate_size, 2, 4 * ec.hidden_size)
     res["flops_per_token"] = flops_tok
     engines = {}
-    for name in ("fast", "eager", "fp32"):
+    for name in ("fast", "fast16", "eager", "fp32"):
         try:
             engines.update(make_engines(a.ckpt, [name], a.max_batch_tokens, a.device, attn_cfg))
             res.setdefault("load", {})[name] = engines[name][1]
