@@ -1,6 +1,6 @@
 """Build TileLang kernels ahead of time into the kernel cache (no GPU needed; sm_90a by default).
 
-    python -m kernels.precompile --shapes tiny modernbert-large --tests --sweep
+    python -m kernels.precompile --shapes tiny modernbert-large --tests --sweep [--fp16]
 
 The cache (TileLang's, under `model.cache.local_dir("tilelang")`) is keyed by the kernel source, target
 and tilelang version, not by the machine's Python or paths, so a cache filled here serves the GPU box.
@@ -42,9 +42,9 @@ def shape_dims(shape: str) -> dict:
     return dict(d=s["hidden"], heads=s["heads"], inter=s["ff"], ffn=4 * s["hidden"], windows={0, 64})
 
 
-def model_specs(shape: str) -> list[tuple[str, tuple]]:
-    """The kernels a make-checkpoint shape's fast forward uses."""
-    return kernel_specs(**shape_dims(shape))
+def model_specs(shape: str, dtype: torch.dtype = BF) -> list[tuple[str, tuple]]:
+    """The kernels a make-checkpoint shape's fast forward uses (bf16, or fp16 with act_dtype=torch.float16)."""
+    return kernel_specs(**shape_dims(shape), dtype=dtype)
 
 
 def gemm_shapes(d: int, inter: int, ffn: int) -> list[tuple[str, int, int]]:
@@ -97,11 +97,14 @@ def main(argv=None) -> int:
     ap.add_argument("--tests", action="store_true", help="also the kernels of tests/test_kernels.py")
     ap.add_argument("--sweep", action="store_true", help="also the GEMM sweep candidates")
     ap.add_argument("--workers", type=int, default=None)
+    ap.add_argument("--fp16", action="store_true", help="also the shapes' fp16 kernels (act_dtype=torch.float16)")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
     specs = []
     for s in a.shapes:
         specs += model_specs(s)
+        if a.fp16:
+            specs += model_specs(s, torch.float16)
     if a.tests:
         specs += test_specs()
     if a.sweep:
