@@ -26,6 +26,8 @@ def main() -> int:
     ap.add_argument("package")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
+    if not zipfile.is_zipfile(a.package):
+        ap.error("%s is not an AOTI package (.pt2 zip archive)" % a.package)
     rows = {}
     t = time.perf_counter()
     import torch

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from model.backends.base import BackendUnavailable
+from model.backends.base import HALF, BackendUnavailable, dtype_named
 from model.network import confidence_features
 from model.sequence import Row
 
@@ -108,28 +108,28 @@ def kernel_specs(d: int, heads: int, inter: int, ffn: int, windows, eps: float =
     """Every (op, builder args) the forward of a model of this shape launches (both tile regimes); `dtype` is
     the activations' and GEMM weights' (bf16, or fp16: those specs carry it as a last argument)."""
     specs: list[tuple[str, tuple]] = []
-    bf = dtype
+    adt = dtype
     half = () if dtype == torch.bfloat16 else (dtype,)  # bf16 specs keep their historical form
     for g, gg in ((_gemm.SMALL, _geglu.SMALL), (None, _geglu.pick_config(_gemm.SMALL_M + 1, inter, d))):
         def cfg(M: int, N: int, K: int, g=g) -> _gemm.GemmConfig:
             return g if g is not None else _gemm.pick_config(M, N, K)
 
         big = _gemm.SMALL_M + 1
-        specs += [("gemm", (3 * d, d, qkv_bias, "none", cfg(big, 3 * d, d), bf, *half)),
-                  ("gemm", (d, d, out_bias, "none", cfg(big, d, d), bf, *half)),
+        specs += [("gemm", (3 * d, d, qkv_bias, "none", cfg(big, 3 * d, d), adt, *half)),
+                  ("gemm", (d, d, out_bias, "none", cfg(big, d, d), adt, *half)),
                   ("geglu", (inter, d, gg, *half)),
-                  ("gemm", (d, inter, out_bias, "none", cfg(big, d, inter), bf, *half)),
-                  ("gemm", (3 * d, d, True, "none", cfg(big, 3 * d, d), bf, *half)),
-                  ("gemm", (d, d, True, "none", cfg(big, d, d), bf, *half)),
-                  ("gemm", (ffn, d, True, "relu", cfg(big, ffn, d), bf, *half)),
-                  ("gemm", (d, ffn, True, "none", cfg(big, d, ffn), bf, *half)),
-                  ("gemm", (d, d, True, "gelu", cfg(big, d, d), bf, *half))]
+                  ("gemm", (d, inter, out_bias, "none", cfg(big, d, inter), adt, *half)),
+                  ("gemm", (3 * d, d, True, "none", cfg(big, 3 * d, d), adt, *half)),
+                  ("gemm", (d, d, True, "none", cfg(big, d, d), adt, *half)),
+                  ("gemm", (ffn, d, True, "relu", cfg(big, ffn, d), adt, *half)),
+                  ("gemm", (d, ffn, True, "none", cfg(big, d, ffn), adt, *half)),
+                  ("gemm", (d, d, True, "gelu", cfg(big, d, d), adt, *half))]
     specs.append(("gemm", (SCORER_PAD, d, True, "none", _gemm.NARROW, torch.float32, *half)))
     ln = (None, dtype) if half else ()  # add_ln's (cfg, residual dtype)
-    specs += [("add_ln", (d, "inplace", norm_bias, eps, bf, *ln)), ("add_ln", (d, "add", norm_bias, eps, bf, *ln)),
-              ("add_ln", (d, "add_inplace", norm_bias, eps, bf, *ln))]
+    specs += [("add_ln", (d, "inplace", norm_bias, eps, adt, *ln)), ("add_ln", (d, "add", norm_bias, eps, adt, *ln)),
+              ("add_ln", (d, "add_inplace", norm_bias, eps, adt, *ln))]
     for e in sorted(set(head_eps)):
-        specs += [("add_ln", (d, "plain", True, e, bf, *ln)), ("add_ln", (d, "add", True, e, bf, *ln))]
+        specs += [("add_ln", (d, "plain", True, e, adt, *ln)), ("add_ln", (d, "add", True, e, adt, *ln))]
     specs.append(("rope", (heads, _rope.RopeConfig(), dtype) if half else (heads,)))
     for win in sorted(set(windows) | {0}):
         specs.append(("attention", (heads, win, attn_cfg, *half)))
@@ -167,12 +167,9 @@ class FastForward:
             ok, why = _tl.available()
             if not ok:
                 raise BackendUnavailable("tilelang is not importable (%s)" % why)
-        if isinstance(act_dtype, str):
-            act_dtype = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
-                         "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}[act_dtype]
+        if act_dtype is not None:  # the TileLang kernels take bf16 or fp16; the torch ops fp32 too
+            act_dtype = dtype_named(act_dtype, "act_dtype", HALF if uses_tl else HALF + (torch.float32,))
         self.act_dtype = act_dtype or (torch.bfloat16 if uses_tl else torch.float32)
-        if uses_tl and self.act_dtype not in (torch.bfloat16, torch.float16):
-            raise ValueError("the TileLang kernels run bf16 or fp16 activations, not %s" % self.act_dtype)
         self.use_graphs = (self.device.type == "cuda") if use_graphs is None else bool(use_graphs)
         if self.use_graphs and self.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")

@@ -408,6 +408,13 @@ def test_a_bad_autocast_setting_names_the_variable(monkeypatch):
         cuda_amp_dtype({"amp_dtype": "bf16"})
 
 
+def test_a_bad_compile_dtype_names_the_option(tiny_checkpoint, tmp_path):
+    with pytest.MonkeyPatch.context() as mp:
+        _isolated_env(mp, str(tmp_path / "node"))
+        with pytest.raises(ValueError, match="dtype='int8'"):
+            model.load(tiny_checkpoint, device="cpu", backend="compile", cache_dir=str(tmp_path / "c"), dtype="int8")
+
+
 def test_aot_packages_of_different_dtypes_have_different_keys():
     from model.backends.compiled import aot_variant
 

@@ -54,6 +54,13 @@ def test_packed_forward_in_half_precision_stays_near_fp32(engine, bundle, rows, 
         assert dp < dp_bf, (dp, dp_bf)
 
 
+def test_a_bad_activation_dtype_names_the_option(bundle):
+    with pytest.raises(ValueError, match="act_dtype='fp8'"):
+        make_backend(load_model(bundle), bundle, torch.device("cpu"), ops="torch", act_dtype="fp8")
+    fast = make_backend(load_model(bundle), bundle, torch.device("cpu"), ops="torch", act_dtype="FP16")
+    assert fast.engine.act_dtype == torch.float16
+
+
 def test_single_row_and_order(engine, bundle, rows):
     fast = make_backend(load_model(bundle), bundle, torch.device("cpu"), ops="torch")
     one = rows[3:4]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -16,7 +16,19 @@ class BackendUnavailable(RuntimeError):
 
 
 AMP_ENV = "LAYA_FLEET_CUDA_AMP"
-_AMP_NAMES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+DTYPE_NAMES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+               "fp32": torch.float32, "float32": torch.float32}
+HALF = (torch.bfloat16, torch.float16)
+
+
+def dtype_named(value: Any, what: str, allowed: tuple = HALF + (torch.float32,)) -> torch.dtype:
+    """A torch dtype given as one or as a name (bf16 / bfloat16 / fp16 / float16 / fp32 / float32); ValueError
+    naming `what` (the option or variable) for anything else or a dtype outside `allowed`."""
+    dt = DTYPE_NAMES.get(value.strip().lower()) if isinstance(value, str) else value
+    if dt not in allowed:
+        names = sorted(k for k, v in DTYPE_NAMES.items() if v in allowed)
+        raise ValueError("%s=%r: use one of %s" % (what, value, names))
+    return dt
 
 
 def cuda_amp_dtype(cfg: dict, device: torch.device | None = None) -> torch.dtype:
@@ -30,9 +42,7 @@ def cuda_amp_dtype(cfg: dict, device: torch.device | None = None) -> torch.dtype
     for var in (AMP_ENV, "LAYA_CUDA_AMP"):
         v = os.environ.get(var, "").strip().lower()
         if v:
-            if v not in _AMP_NAMES:
-                raise ValueError("%s=%r: use one of %s" % (var, v, sorted(_AMP_NAMES)))
-            return _AMP_NAMES[v]
+            return dtype_named(v, var, HALF)
     if device is not None and device.type == "cuda" and torch.cuda.is_available():
         idx = device.index if device.index is not None else torch.cuda.current_device()
         if torch.cuda.get_device_capability(idx)[0] < 8:

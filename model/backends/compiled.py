@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from .. import cache as _cache
 from ..sequence import Row
-from .base import BackendUnavailable, collate, cuda_amp_dtype, outputs
+from .base import BackendUnavailable, collate, cuda_amp_dtype, dtype_named, outputs
 
 log = logging.getLogger(__name__)
 
@@ -244,9 +244,8 @@ class CompileBackend(_Padded):
         # into a graph of its own): one graph to compile cold and to re-trace warm instead of two. A second
         # row costs nothing measurable at that size; single_row_graph=True keeps the separate graph.
         self.min_rows = 1 if single_row_graph else 2
-        if isinstance(dtype, str):
-            dtype = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
-                     "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}[dtype]
+        if dtype is not None:
+            dtype = dtype_named(dtype, "dtype")
         self.align = bool(align)
         if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
             model = half_copy(model, dtype)
