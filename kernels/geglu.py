@@ -26,11 +26,13 @@ class GegluConfig:
     stages: int = 3
     threads: int = 256
     full_row: bool = True
+    persistent: int = 0   # > 0: that many blocks loop over the tiles (see gemm.GemmConfig.persistent)
 
     def tag(self) -> str:
-        """A short text form, e.g. 128x128x64s3t256r."""
+        """A short text form, e.g. 128x128x64s3t256r (p132: persistent over 132 blocks)."""
         pol = "r" if self.full_row else "q"
-        return "%dx%dx%ds%dt%d%s" % (self.bm, self.bn, self.bk, self.stages, self.threads, pol)
+        pers = "p%d" % self.persistent if self.persistent else ""
+        return "%dx%dx%ds%dt%d%s%s" % (self.bm, self.bn, self.bk, self.stages, self.threads, pol, pers)
 
 
 SMALL = GegluConfig(bm=64, bn=64, bk=128, stages=3, threads=128)
@@ -62,6 +64,21 @@ def build_geglu(Fd: int, K: int, cfg: GegluConfig = LARGE, dtype: str = "bfloat1
     policy = T.GemmWarpPolicy.FullRow if cfg.full_row else T.GemmWarpPolicy.Square
     DT, F32 = dtype, _tl.F32
 
+    @T.macro
+    def tile(A, Wi, C, A_s, Wx_s, Wg_s, Cx, Cg, C_s, bx, by):
+        T.clear(Cx)
+        T.clear(Cg)
+        for k in T.Pipelined(T.ceildiv(K, bk), num_stages=cfg.stages):
+            T.copy(A[by * bm, k * bk], A_s)
+            T.copy(Wi[bx * bn, k * bk], Wx_s)
+            T.copy(Wi[Fd + bx * bn, k * bk], Wg_s)
+            T.gemm(A_s, Wx_s, Cx, transpose_B=True, policy=policy)
+            T.gemm(A_s, Wg_s, Cg, transpose_B=True, policy=policy)
+        for i, j in T.Parallel(bm, bn):
+            Cx[i, j] = apply_act(Cx[i, j], "gelu", T) * Cg[i, j]
+        T.copy(Cx, C_s)
+        T.copy(C_s, C[by * bm, bx * bn])
+
     @T.prim_func
     def main(A: T.Tensor((M, K), DT), Wi: T.Tensor((2 * Fd, K), DT), C: T.Tensor((M, Fd), DT)):
         with T.Kernel(T.ceildiv(Fd, bn), T.ceildiv(M, bm), threads=cfg.threads) as (bx, by):
@@ -71,19 +88,21 @@ def build_geglu(Fd: int, K: int, cfg: GegluConfig = LARGE, dtype: str = "bfloat1
             Cx = T.alloc_fragment((bm, bn), F32)
             Cg = T.alloc_fragment((bm, bn), F32)
             C_s = T.alloc_shared((bm, bn), DT)
-            T.clear(Cx)
-            T.clear(Cg)
-            for k in T.Pipelined(T.ceildiv(K, bk), num_stages=cfg.stages):
-                T.copy(A[by * bm, k * bk], A_s)
-                T.copy(Wi[bx * bn, k * bk], Wx_s)
-                T.copy(Wi[Fd + bx * bn, k * bk], Wg_s)
-                T.gemm(A_s, Wx_s, Cx, transpose_B=True, policy=policy)
-                T.gemm(A_s, Wg_s, Cg, transpose_B=True, policy=policy)
-            for i, j in T.Parallel(bm, bn):
-                Cx[i, j] = apply_act(Cx[i, j], "gelu", T) * Cg[i, j]
-            T.copy(Cx, C_s)
-            T.copy(C_s, C[by * bm, bx * bn])
+            tile(A, Wi, C, A_s, Wx_s, Wg_s, Cx, Cg, C_s, bx, by)
 
+    if cfg.persistent:
+        @T.prim_func
+        def main_persistent(A: T.Tensor((M, K), DT), Wi: T.Tensor((2 * Fd, K), DT), C: T.Tensor((M, Fd), DT)):
+            with T.Kernel(cfg.persistent, threads=cfg.threads) as bid:
+                A_s = T.alloc_shared((bm, bk), DT)
+                Wx_s = T.alloc_shared((bn, bk), DT)
+                Wg_s = T.alloc_shared((bn, bk), DT)
+                Cx = T.alloc_fragment((bm, bn), F32)
+                Cg = T.alloc_fragment((bm, bn), F32)
+                C_s = T.alloc_shared((bm, bn), DT)
+                for by, bx in T.Persistent([T.ceildiv(M, bm), T.ceildiv(Fd, bn)], cfg.persistent, bid):
+                    tile(A, Wi, C, A_s, Wx_s, Wg_s, Cx, Cg, C_s, bx, by)
+        return main_persistent
     return main
 
 

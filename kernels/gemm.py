@@ -27,11 +27,15 @@ class GemmConfig:
     stages: int = 3
     threads: int = 256
     full_row: bool = True   # GemmWarpPolicy.FullRow: each warpgroup owns 64 rows x the whole block_N
+    # persistent > 0: that many blocks (one per SM) loop over the output tiles (T.Persistent), so the
+    # TMA producer loads the next tile while the consumers run this tile's epilogue
+    persistent: int = 0
 
     def tag(self) -> str:
-        """A short text form, e.g. 128x256x64s3t256r."""
+        """A short text form, e.g. 128x256x64s3t256r (p132: persistent over 132 blocks)."""
         pol = "r" if self.full_row else "q"
-        return "%dx%dx%ds%dt%d%s" % (self.bm, self.bn, self.bk, self.stages, self.threads, pol)
+        pers = "p%d" % self.persistent if self.persistent else ""
+        return "%dx%dx%ds%dt%d%s%s" % (self.bm, self.bn, self.bk, self.stages, self.threads, pol, pers)
 
 
 SMALL = GemmConfig(bm=64, bn=64, bk=128, stages=4, threads=128)
@@ -76,18 +80,92 @@ def apply_act(x, act: str, T):
 
 
 def build_gemm(N: int, K: int, bias: bool = False, act: str = "none", cfg: GemmConfig = LARGE,
-               out_dtype: str = "bfloat16", in_dtype: str = "bfloat16"):
+               out_dtype: str = "bfloat16", in_dtype: str = "bfloat16", rope_cols: int = 0):
     """The TileLang PrimFunc main(A[M,K] in_dtype, W[N,K] in_dtype, Bias[N] f32, C[M,N] out_dtype); in_dtype
-    bfloat16 or float16, out_dtype one of those or float32."""
+    bfloat16 or float16, out_dtype one of those or float32.
+
+    rope_cols > 0 (Wqkv: 2 * hidden, the Q and K heads) adds Pos[M] i32, Cos[P,32] f32, Sin[P,32] f32 and
+    rotates every 64-column head below rope_cols in the epilogue, exactly as kernels/rope.py does to the
+    stored output (the rounded value, fp32 math): the packed QKV never makes a second trip through memory."""
     if act not in ACTS:
         raise ValueError("act must be one of %s, got %r" % (ACTS, act))
     if cfg.bn % 16 or cfg.bk % 16:
         raise ValueError("block_N and block_K must be multiples of 16 (tilelang #2593, #2381)")
+    if rope_cols and (cfg.bn % 64 or rope_cols % 64 or act != "none"):
+        raise ValueError("a RoPE epilogue needs block_N and rope_cols multiples of 64 and no activation")
     _, T = _tl.tl()
     bm, bn, bk = cfg.bm, cfg.bn, cfg.bk
     M = T.dynamic("M")
+    P = T.dynamic("P")
     policy = T.GemmWarpPolicy.FullRow if cfg.full_row else T.GemmWarpPolicy.Square
-    IN, F32 = in_dtype, _tl.F32
+    IN, F32, I32 = in_dtype, _tl.F32, _tl.I32
+
+    @T.macro
+    def tile(A, W, Bias, C, A_s, W_s, C_l, C_s, bx, by, Pos, Cos, Sin):
+        T.clear(C_l)
+        for k in T.Pipelined(T.ceildiv(K, bk), num_stages=cfg.stages):
+            T.copy(A[by * bm, k * bk], A_s)
+            T.copy(W[bx * bn, k * bk], W_s)
+            T.gemm(A_s, W_s, C_l, transpose_B=True, policy=policy)
+        if bias:
+            for i, j in T.Parallel(bm, bn):
+                C_l[i, j] = apply_act(C_l[i, j] + Bias[bx * bn + j], act, T)
+        else:
+            for i, j in T.Parallel(bm, bn):
+                C_l[i, j] = apply_act(C_l[i, j], act, T)
+        T.copy(C_l, C_s)
+        if rope_cols:
+            if bx * bn < rope_cols:   # Q / K heads: rotate from the staged tile straight to memory
+                for i, h, d in T.Parallel(bm, bn // 64, 32):
+                    r = by * bm + i
+                    if r < M:
+                        p = Pos[r]
+                        x0 = T.Cast(F32, C_s[i, h * 64 + d])
+                        x1 = T.Cast(F32, C_s[i, h * 64 + d + 32])
+                        C[r, bx * bn + h * 64 + d] = T.Cast(out_dtype, x0 * Cos[p, d] - x1 * Sin[p, d])
+                        C[r, bx * bn + h * 64 + d + 32] = T.Cast(out_dtype, x1 * Cos[p, d] + x0 * Sin[p, d])
+            else:
+                T.copy(C_s, C[by * bm, bx * bn])
+        else:
+            T.copy(C_s, C[by * bm, bx * bn])
+
+    if rope_cols and cfg.persistent:
+        @T.prim_func
+        def main_rope_persistent(A: T.Tensor((M, K), IN), W: T.Tensor((N, K), IN), Bias: T.Tensor((N,), F32),
+                                 C: T.Tensor((M, N), out_dtype), Pos: T.Tensor((M,), I32),
+                                 Cos: T.Tensor((P, 32), F32), Sin: T.Tensor((P, 32), F32)):
+            with T.Kernel(cfg.persistent, threads=cfg.threads) as bid:
+                A_s = T.alloc_shared((bm, bk), IN)
+                W_s = T.alloc_shared((bn, bk), IN)
+                C_l = T.alloc_fragment((bm, bn), F32)
+                C_s = T.alloc_shared((bm, bn), out_dtype)
+                for by, bx in T.Persistent([T.ceildiv(M, bm), T.ceildiv(N, bn)], cfg.persistent, bid):
+                    tile(A, W, Bias, C, A_s, W_s, C_l, C_s, bx, by, Pos, Cos, Sin)
+        return main_rope_persistent
+    if rope_cols:
+        @T.prim_func
+        def main_rope(A: T.Tensor((M, K), IN), W: T.Tensor((N, K), IN), Bias: T.Tensor((N,), F32),
+                      C: T.Tensor((M, N), out_dtype), Pos: T.Tensor((M,), I32),
+                      Cos: T.Tensor((P, 32), F32), Sin: T.Tensor((P, 32), F32)):
+            with T.Kernel(T.ceildiv(N, bn), T.ceildiv(M, bm), threads=cfg.threads) as (bx, by):
+                A_s = T.alloc_shared((bm, bk), IN)
+                W_s = T.alloc_shared((bn, bk), IN)
+                C_l = T.alloc_fragment((bm, bn), F32)
+                C_s = T.alloc_shared((bm, bn), out_dtype)
+                tile(A, W, Bias, C, A_s, W_s, C_l, C_s, bx, by, Pos, Cos, Sin)
+        return main_rope
+    if cfg.persistent:
+        @T.prim_func
+        def main_persistent(A: T.Tensor((M, K), IN), W: T.Tensor((N, K), IN), Bias: T.Tensor((N,), F32),
+                            C: T.Tensor((M, N), out_dtype)):
+            with T.Kernel(cfg.persistent, threads=cfg.threads) as bid:
+                A_s = T.alloc_shared((bm, bk), IN)
+                W_s = T.alloc_shared((bn, bk), IN)
+                C_l = T.alloc_fragment((bm, bn), F32)
+                C_s = T.alloc_shared((bm, bn), out_dtype)
+                for by, bx in T.Persistent([T.ceildiv(M, bm), T.ceildiv(N, bn)], cfg.persistent, bid):
+                    tile(A, W, Bias, C, A_s, W_s, C_l, C_s, bx, by, None, None, None)
+        return main_persistent
 
     @T.prim_func
     def main(A: T.Tensor((M, K), IN), W: T.Tensor((N, K), IN), Bias: T.Tensor((N,), F32),
@@ -97,31 +175,22 @@ def build_gemm(N: int, K: int, bias: bool = False, act: str = "none", cfg: GemmC
             W_s = T.alloc_shared((bn, bk), IN)
             C_l = T.alloc_fragment((bm, bn), F32)
             C_s = T.alloc_shared((bm, bn), out_dtype)
-            T.clear(C_l)
-            for k in T.Pipelined(T.ceildiv(K, bk), num_stages=cfg.stages):
-                T.copy(A[by * bm, k * bk], A_s)
-                T.copy(W[bx * bn, k * bk], W_s)
-                T.gemm(A_s, W_s, C_l, transpose_B=True, policy=policy)
-            if bias:
-                for i, j in T.Parallel(bm, bn):
-                    C_l[i, j] = apply_act(C_l[i, j] + Bias[bx * bn + j], act, T)
-            else:
-                for i, j in T.Parallel(bm, bn):
-                    C_l[i, j] = apply_act(C_l[i, j], act, T)
-            T.copy(C_l, C_s)
-            T.copy(C_s, C[by * bm, bx * bn])
+            tile(A, W, Bias, C, A_s, W_s, C_l, C_s, bx, by, None, None, None)
 
     return main
 
 
 def gemm_kernel(N: int, K: int, bias: bool = False, act: str = "none", cfg: GemmConfig = LARGE,
-                out_dtype: torch.dtype = torch.bfloat16, in_dtype: torch.dtype = torch.bfloat16):
-    """The compiled GEMM for (N, K, bias, act, cfg, out dtype, input dtype), built once per process."""
+                out_dtype: torch.dtype = torch.bfloat16, in_dtype: torch.dtype = torch.bfloat16, rope_cols: int = 0):
+    """The compiled GEMM for (N, K, bias, act, cfg, out dtype, input dtype, RoPE columns), built once per
+    process."""
     od, idt = _tl.dt(out_dtype), _tl.dt(in_dtype)
     extra = {} if idt == _tl.BF16 else {"i": idt}  # bf16 kernels keep their names (and cache entries)
+    if rope_cols:
+        extra["r"] = rope_cols
     name = _tl.kernel_name("lf_gemm", n=N, k=K, b=int(bias), a=act, c=cfg.tag(), o=od, **extra)
-    return _tl.memo(("gemm", N, K, bias, act, cfg, od, idt),
-                    lambda: _tl.compile_func(lambda: build_gemm(N, K, bias, act, cfg, od, idt), name))
+    return _tl.memo(("gemm", N, K, bias, act, cfg, od, idt, rope_cols),
+                    lambda: _tl.compile_func(lambda: build_gemm(N, K, bias, act, cfg, od, idt, rope_cols), name))
 
 
 def gemm(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, act: str = "none",
