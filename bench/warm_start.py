@@ -373,8 +373,9 @@ def main(argv=None) -> int:
     ap.add_argument("--shape", default="tiny", help="make-checkpoint shape when no --checkpoint is given")
     ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     ap.add_argument("--rows", default="compile,peak,aot,fast",
-                    help="comma list, run in this order: compile, regional (compile with regional=True), aot, fast "
-                         "(cold + warm rows each), peak")
+                    help="comma list, run in this order: compile (its default, regional='auto'), regional "
+                         "(regional=True), whole (regional=False), aot, fast (cold + warm rows each), peak; "
+                         "$LAYA_FLEET_CUDA_AMP=fp16 runs every row in fp16")
     ap.add_argument("--parallel-peak", action="store_true",
                     help="run the no-align peak child alongside the rows after it (it measures memory, not time)")
     ap.add_argument("--accuracy-rows", type=int, default=None, help="rows checked against fp32 eager")
@@ -421,7 +422,8 @@ def main(argv=None) -> int:
     max_len = open_bundle(args.checkpoint).max_len
     tag = args.tag or ("cpu" if not cuda else torch.cuda.get_device_name().split()[-1].lower())
     result = {"env": _env(args.device), "checkpoint": args.checkpoint, "checkpoint_shape": args.shape,
-              "max_len": max_len, "budget": args.budget, "targets": {"%s %s" % k: v for k, v in TARGETS.items()},
+              "max_len": max_len, "budget": args.budget, "cuda_amp": os.environ.get("LAYA_FLEET_CUDA_AMP"),
+              "targets": {"%s %s" % k: v for k, v in TARGETS.items()},
               "rows": []}
     os.makedirs(args.out_dir, exist_ok=True)
     out_json = os.path.join(args.out_dir, "warm_start_%s.json" % tag)
@@ -442,7 +444,7 @@ def main(argv=None) -> int:
                                                           "seeded", "published", "vs fp32 eager"), flush=True)
     acc = {"accuracy": args.accuracy_rows}
     peak_tokens = min(1024, max_len)
-    order = [x for x in args.rows.split(",") if x in ("fast", "compile", "regional", "aot", "peak")]
+    order = [x for x in args.rows.split(",") if x in ("fast", "compile", "regional", "whole", "aot", "peak")]
     if not cuda:
         order = [x for x in order if x != "fast"]  # TileLang kernels need CUDA
     background = None
@@ -460,8 +462,8 @@ def main(argv=None) -> int:
         shared = d(item, "shared")
         opts = {"options": {"build": True}} if item == "aot" else {}
         backend = item
-        if item == "regional":  # the compile backend with one graph per kind of encoder layer
-            backend, opts = "compile", {"options": {"regional": True}}
+        if item in ("regional", "whole"):  # the compile backend with one graph per kind of encoder layer / one
+            backend, opts = "compile", {"options": {"regional": item == "regional"}}   # graph (default: auto)
         cold = run_row(args, "%s cold" % item, backend, "cold", shared, d(item, "node1"), row_deadline(), **acc,
                        **opts)
         if background is not None and item == "aot":
@@ -472,7 +474,7 @@ def main(argv=None) -> int:
         extra = {"peak": [32, peak_tokens], "peak_eager": True} if (item == "compile" and "peak" in order) else {}
         if item == "fast":  # the warm fast row loads kernels through the index (kernels/_tl.py): check answers too
             extra.update(acc)
-        if item == "regional":
+        if item in ("regional", "whole"):
             extra.update(opts)
         extra["timing"] = True
         add(run_row(args, "%s warm" % item, backend, "warm", shared, d(item, "node2"), row_deadline(), **extra))

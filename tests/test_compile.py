@@ -35,7 +35,7 @@ t0 = time.perf_counter()
 import torch
 import model
 from torch._dynamo.utils import counters
-e = model.load(sys.argv[1], device="cpu", backend="compile", cache_dir=sys.argv[2])
+e = model.load(sys.argv[1], device="cpu", backend="compile", cache_dir=sys.argv[2], regional=False)
 w = e.warmup()
 print(json.dumps({"ready_s": time.perf_counter() - t0, "warmup_s": w, "inductor": dict(counters["inductor"]),
                   "graphs": counters["stats"]["unique_graphs"], "cache": e.cache.report(),
@@ -98,6 +98,8 @@ def _isolated_env(mp: pytest.MonkeyPatch, local: str) -> None:
         mp.delenv(k)
     mp.setenv(cache.LOCAL_ENV, local)
     mp.setattr(cache, "_current", None)
+    # the whole graph, which most tests here are about; the default ("auto") has tests of its own
+    mp.setenv("LAYA_FLEET_COMPILE_REGIONAL", "0")
 
 
 def _counters() -> dict:
@@ -207,7 +209,7 @@ import json, random, sys
 import torch
 import model
 from model.sequence import Row
-e = model.load(sys.argv[1], device="cpu", backend="compile", cache_dir=sys.argv[2])
+e = model.load(sys.argv[1], device="cpu", backend="compile", cache_dir=sys.argv[2], regional=False)
 e.backend.autocast = torch.bfloat16  # as the backend runs on CUDA: the model in fp32 under bf16 autocast
 e.warmup()
 rng = random.Random(3)
@@ -443,6 +445,15 @@ def test_regional_auto_compiles_regionally_on_an_empty_cache_and_loads_a_cached_
         assert warm.backend.regional is False and warm.backend.regional_choice.startswith("auto: whole graph")
         warm.warmup()
         assert warm.backend.precompile_state == "loaded"
+
+
+def test_the_default_is_auto_so_a_cold_replica_compiles_regionally(tiny_checkpoint, tmp_path):
+    """No option and no variable: "auto", so a replica on an empty cache takes the short regional compile."""
+    with pytest.MonkeyPatch.context() as mp:
+        _isolated_env(mp, str(tmp_path / "node"))
+        mp.delenv("LAYA_FLEET_COMPILE_REGIONAL")
+        e = model.load(tiny_checkpoint, device="cpu", backend="compile", cache_dir=str(tmp_path / "empty"))
+        assert e.backend.regional is True and e.backend.regional_choice.startswith("auto: regional")
 
 
 def test_a_bad_regional_setting_names_the_variable(tiny_checkpoint, tmp_path):

@@ -231,7 +231,7 @@ class CompileBackend(_Padded):
         super().__init__(bundle, device)
         self.precompile = (os.environ.get(PRECOMPILE_ENV, "1") != "0") if precompile is None else bool(precompile)
         if regional is None:
-            env = os.environ.get(REGIONAL_ENV, "0").strip().lower() or "0"
+            env = os.environ.get(REGIONAL_ENV, "auto").strip().lower() or "auto"
             if env not in ("0", "1", "auto"):
                 raise ValueError("%s=%r: use 0, 1 or auto" % (REGIONAL_ENV, env))
             regional = {"0": False, "1": True}.get(env, "auto")
@@ -453,8 +453,9 @@ class CompileBackend(_Padded):
 def make_compile_backend(model: torch.nn.Module, bundle: Any, device: torch.device, **options: Any) -> CompileBackend:
     """The `compile` backend (options: align=True, mode=None, dtype=None|"bf16", fullgraph=True,
     single_row_graph=False, precompile=None: $LAYA_FLEET_COMPILE_PRECOMPILE, default on, regional=None:
-    $LAYA_FLEET_COMPILE_REGIONAL, default off: one graph per kind of encoder layer instead of the whole model;
-    "auto": the whole graph when its precompiled form is already in the (seeded) cache, else regional)."""
+    $LAYA_FLEET_COMPILE_REGIONAL, default "auto": the whole graph when its precompiled form is already in the
+    (seeded) cache, else one graph per kind of encoder layer (a cold compile in a fraction of the time); 1 or
+    True: always regional; 0 or False: always the whole graph)."""
     known = {"align", "mode", "dtype", "fullgraph", "single_row_graph", "precompile", "regional"}
     return CompileBackend(model, bundle, device, **{k: v for k, v in options.items() if k in known})
 
