@@ -81,28 +81,21 @@ def build_geglu(Fd: int, K: int, cfg: GegluConfig = LARGE, dtype: str = "bfloat1
 
     @T.prim_func
     def main(A: T.Tensor((M, K), DT), Wi: T.Tensor((2 * Fd, K), DT), C: T.Tensor((M, Fd), DT)):
-        with T.Kernel(T.ceildiv(Fd, bn), T.ceildiv(M, bm), threads=cfg.threads) as (bx, by):
+        # one block per output tile, or cfg.persistent blocks walking the tiles (T.Persistent)
+        grid = (cfg.persistent,) if cfg.persistent else (T.ceildiv(Fd, bn), T.ceildiv(M, bm))
+        with T.Kernel(*grid, threads=cfg.threads) as ids:
             A_s = T.alloc_shared((bm, bk), DT)
             Wx_s = T.alloc_shared((bn, bk), DT)
             Wg_s = T.alloc_shared((bn, bk), DT)
             Cx = T.alloc_fragment((bm, bn), F32)
             Cg = T.alloc_fragment((bm, bn), F32)
             C_s = T.alloc_shared((bm, bn), DT)
-            tile(A, Wi, C, A_s, Wx_s, Wg_s, Cx, Cg, C_s, bx, by)
-
-    if cfg.persistent:
-        @T.prim_func
-        def main_persistent(A: T.Tensor((M, K), DT), Wi: T.Tensor((2 * Fd, K), DT), C: T.Tensor((M, Fd), DT)):
-            with T.Kernel(cfg.persistent, threads=cfg.threads) as bid:
-                A_s = T.alloc_shared((bm, bk), DT)
-                Wx_s = T.alloc_shared((bn, bk), DT)
-                Wg_s = T.alloc_shared((bn, bk), DT)
-                Cx = T.alloc_fragment((bm, bn), F32)
-                Cg = T.alloc_fragment((bm, bn), F32)
-                C_s = T.alloc_shared((bm, bn), DT)
-                for by, bx in T.Persistent([T.ceildiv(M, bm), T.ceildiv(Fd, bn)], cfg.persistent, bid):
+            if cfg.persistent:
+                for by, bx in T.Persistent([T.ceildiv(M, bm), T.ceildiv(Fd, bn)], cfg.persistent, ids):
                     tile(A, Wi, C, A_s, Wx_s, Wg_s, Cx, Cg, C_s, bx, by)
-        return main_persistent
+            else:
+                tile(A, Wi, C, A_s, Wx_s, Wg_s, Cx, Cg, C_s, ids[0], ids[1])
+
     return main
 
 

@@ -129,53 +129,33 @@ def build_gemm(N: int, K: int, bias: bool = False, act: str = "none", cfg: GemmC
         else:
             T.copy(C_s, C[by * bm, bx * bn])
 
-    if rope_cols and cfg.persistent:
-        @T.prim_func
-        def main_rope_persistent(A: T.Tensor((M, K), IN), W: T.Tensor((N, K), IN), Bias: T.Tensor((N,), F32),
-                                 C: T.Tensor((M, N), out_dtype), Pos: T.Tensor((M,), I32),
-                                 Cos: T.Tensor((P, 32), F32), Sin: T.Tensor((P, 32), F32)):
-            with T.Kernel(cfg.persistent, threads=cfg.threads) as bid:
-                A_s = T.alloc_shared((bm, bk), IN)
-                W_s = T.alloc_shared((bn, bk), IN)
-                C_l = T.alloc_fragment((bm, bn), F32)
-                C_s = T.alloc_shared((bm, bn), out_dtype)
-                for by, bx in T.Persistent([T.ceildiv(M, bm), T.ceildiv(N, bn)], cfg.persistent, bid):
+    @T.macro
+    def launch(A, W, Bias, C, Pos, Cos, Sin):
+        # one block per output tile, or cfg.persistent blocks walking the tiles (T.Persistent)
+        grid = (cfg.persistent,) if cfg.persistent else (T.ceildiv(N, bn), T.ceildiv(M, bm))
+        with T.Kernel(*grid, threads=cfg.threads) as ids:
+            A_s = T.alloc_shared((bm, bk), IN)
+            W_s = T.alloc_shared((bn, bk), IN)
+            C_l = T.alloc_fragment((bm, bn), F32)
+            C_s = T.alloc_shared((bm, bn), out_dtype)
+            if cfg.persistent:
+                for by, bx in T.Persistent([T.ceildiv(M, bm), T.ceildiv(N, bn)], cfg.persistent, ids):
                     tile(A, W, Bias, C, A_s, W_s, C_l, C_s, bx, by, Pos, Cos, Sin)
-        return main_rope_persistent
+            else:
+                tile(A, W, Bias, C, A_s, W_s, C_l, C_s, ids[0], ids[1], Pos, Cos, Sin)
+
     if rope_cols:
         @T.prim_func
         def main_rope(A: T.Tensor((M, K), IN), W: T.Tensor((N, K), IN), Bias: T.Tensor((N,), F32),
                       C: T.Tensor((M, N), out_dtype), Pos: T.Tensor((M,), I32),
                       Cos: T.Tensor((P, 32), F32), Sin: T.Tensor((P, 32), F32)):
-            with T.Kernel(T.ceildiv(N, bn), T.ceildiv(M, bm), threads=cfg.threads) as (bx, by):
-                A_s = T.alloc_shared((bm, bk), IN)
-                W_s = T.alloc_shared((bn, bk), IN)
-                C_l = T.alloc_fragment((bm, bn), F32)
-                C_s = T.alloc_shared((bm, bn), out_dtype)
-                tile(A, W, Bias, C, A_s, W_s, C_l, C_s, bx, by, Pos, Cos, Sin)
+            launch(A, W, Bias, C, Pos, Cos, Sin)
         return main_rope
-    if cfg.persistent:
-        @T.prim_func
-        def main_persistent(A: T.Tensor((M, K), IN), W: T.Tensor((N, K), IN), Bias: T.Tensor((N,), F32),
-                            C: T.Tensor((M, N), out_dtype)):
-            with T.Kernel(cfg.persistent, threads=cfg.threads) as bid:
-                A_s = T.alloc_shared((bm, bk), IN)
-                W_s = T.alloc_shared((bn, bk), IN)
-                C_l = T.alloc_fragment((bm, bn), F32)
-                C_s = T.alloc_shared((bm, bn), out_dtype)
-                for by, bx in T.Persistent([T.ceildiv(M, bm), T.ceildiv(N, bn)], cfg.persistent, bid):
-                    tile(A, W, Bias, C, A_s, W_s, C_l, C_s, bx, by, None, None, None)
-        return main_persistent
 
     @T.prim_func
     def main(A: T.Tensor((M, K), IN), W: T.Tensor((N, K), IN), Bias: T.Tensor((N,), F32),
              C: T.Tensor((M, N), out_dtype)):
-        with T.Kernel(T.ceildiv(N, bn), T.ceildiv(M, bm), threads=cfg.threads) as (bx, by):
-            A_s = T.alloc_shared((bm, bk), IN)
-            W_s = T.alloc_shared((bn, bk), IN)
-            C_l = T.alloc_fragment((bm, bn), F32)
-            C_s = T.alloc_shared((bm, bn), out_dtype)
-            tile(A, W, Bias, C, A_s, W_s, C_l, C_s, bx, by, None, None, None)
+        launch(A, W, Bias, C, None, None, None)
 
     return main
 
