@@ -600,9 +600,10 @@ class FastForward:
             if self._warm:
                 self.stats.captures_after_warmup += 1
                 log.warning("fast backend: capturing a graph for %d tokens after warm-up", Tb)
-            # Kernels load and set their launch attributes on a first call, which a capture must not see: one
-            # real run per tile regime (the GEMM tiles change at SMALL_M tokens), not per bucket, so warm-up
-            # captures the 8-per-octave buckets for about the cost of capturing alone.
+            # Every kernel's first call (module load, launch attributes) stays outside a capture: one real run
+            # per tile regime (the GEMM tiles change at SMALL_M tokens) instead of one per bucket, so warm-up
+            # captures the 8-per-octave buckets for about the cost of capturing alone (the GPU tests compare
+            # graphs with eager runs).
             regime = Tb <= _gemm.SMALL_M
             if regime not in self._ran:
                 self._side_run(self._body, Tb)

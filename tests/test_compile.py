@@ -456,6 +456,19 @@ def test_the_default_is_auto_so_a_cold_replica_compiles_regionally(tiny_checkpoi
         assert e.backend.regional is True and e.backend.regional_choice.startswith("auto: regional")
 
 
+def test_unaligned_compile_is_never_regional(tiny_checkpoint, tmp_path):
+    """align=False (the memory benchmark's unaligned graph) cannot take the regional layers' [rows, tokens/16, 16]
+    views: "auto" compiles the whole graph, an explicit regional=True is refused with the reason."""
+    with pytest.MonkeyPatch.context() as mp:
+        _isolated_env(mp, str(tmp_path / "node"))
+        mp.delenv("LAYA_FLEET_COMPILE_REGIONAL")
+        e = model.load(tiny_checkpoint, device="cpu", backend="compile", cache_dir=str(tmp_path / "c"), align=False)
+        assert e.backend.regional is False and e.backend.regional_choice == "auto: whole graph (align=False)"
+        with pytest.raises(ValueError, match="needs align=True"):
+            model.load(tiny_checkpoint, device="cpu", backend="compile", cache_dir=str(tmp_path / "c"), align=False,
+                       regional=True)
+
+
 def test_a_bad_regional_setting_names_the_variable(tiny_checkpoint, tmp_path):
     with pytest.MonkeyPatch.context() as mp:
         _isolated_env(mp, str(tmp_path / "node"))

@@ -261,6 +261,10 @@ class CompileBackend(_Padded):
         self.strict = True
         from ..native import NativeModernBert
 
+        if self.regional is True and not self.align:
+            raise ValueError("regional compilation feeds its layers [rows, tokens/16, 16] views: it needs align=True")
+        if self.regional == "auto" and not self.align:
+            self.regional, self.regional_choice = False, "auto: whole graph (align=False)"
         if self.regional == "auto":
             # the whole graph when its precompiled form is already here (seeded from the shared cache: a warm
             # start without tracing and the cheaper calls), else one graph per kind of layer (a cold compile
