@@ -521,6 +521,59 @@ def section_offline(res: dict, engines: dict, wl: dict, flops_tok: float, budget
         out["ours_fast"]["vs_gemm_floor"] = out["ours_fast"]["fwd_tok_s"] / res["gemm"]["floor_tok_s"]
 
 
+def section_hf(res: dict, ckpt: str, device: str, budget: Budget, rows: int = 256, tokens: int = 256) -> None:
+    """The issue's outside reference: transformers' ModernBertModel (encoder only, no head) with this checkpoint's
+    encoder weights, bf16, SDPA, on full rows x tokens batches (no padding), eager and under torch.compile;
+    tokens/s per batch and the compile time."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import ModernBertModel
+
+    from model.bundle import open_bundle
+
+    cfg = open_bundle(ckpt).encoder_config
+    cfg._attn_implementation = "sdpa"
+    dt = torch.bfloat16 if device == "cuda" else torch.float32
+    enc = ModernBertModel(cfg)
+    sd = {k[len("encoder."):]: v for k, v in load_file(os.path.join(ckpt, "model.safetensors")).items()
+          if k.startswith("encoder.")}
+    missing, unexpected = enc.load_state_dict(sd, strict=False)
+    enc = enc.to(device=device, dtype=dt).eval()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, cfg.vocab_size, (rows, tokens), generator=g).to(device)
+    att = torch.ones_like(ids)
+    out = {"rows": rows, "tokens": tokens, "dtype": str(dt), "missing_keys": len(missing),
+           "unexpected_keys": len(unexpected)}
+
+    def timed(fn) -> float:
+        if device == "cuda":
+            return bench_gpu(fn)
+        fn()
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+
+    with torch.no_grad():
+        ms = timed(lambda: enc(input_ids=ids, attention_mask=att))
+        out["eager_ms"], out["eager_tok_s"] = ms, rows * tokens / ms * 1e3
+        log("transformers ModernBERT eager SDPA: %.2f ms per %dx%d batch, %.0f tok/s" % (ms, rows, tokens,
+                                                                                        out["eager_tok_s"]))
+        if budget.left() > 90:
+            comp = torch.compile(enc)
+            t = time.perf_counter()
+            comp(input_ids=ids, attention_mask=att)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            out["compile_s"] = time.perf_counter() - t
+            ms = timed(lambda: comp(input_ids=ids, attention_mask=att))
+            out["compile_ms"], out["compile_tok_s"] = ms, rows * tokens / ms * 1e3
+            log("transformers ModernBERT + torch.compile: %.2f ms per batch, %.0f tok/s (compile %.1f s)" % (
+                ms, out["compile_tok_s"], out["compile_s"]))
+    res["hf"] = out
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
 def section_upstream(res: dict, ckpt: str, wl: dict, tokens: int, budget: Budget, offline_states: int) -> None:
     """Upstream laya 0.4.15, eager and tilelang backends, on the same checkpoint."""
     import laya
@@ -590,6 +643,16 @@ def table(res: dict) -> str:
         else:
             cells.append("%18s" % ("%.0fk e" % (r["e2e_tok_s"] / 1e3)))
     lines.append("%-10s %s" % ("offline", " ".join(cells)))
+    hf = res.get("hf")
+    if hf:
+        lines.append("transformers ModernBERT (encoder only) on full %dx%d batches: eager SDPA %.0fk tok/s%s" % (
+            hf["rows"], hf["tokens"], hf["eager_tok_s"] / 1e3,
+            ", torch.compile %.0fk tok/s (compile %.0f s)" % (hf["compile_tok_s"] / 1e3, hf["compile_s"])
+            if "compile_tok_s" in hf else ""))
+        fast = res.get("offline", {}).get("ours_fast")
+        if fast and "compile_tok_s" in hf:
+            lines.append("  ours fast offline / transformers + compile: %.2f"
+                         % (fast["fwd_tok_s"] / hf["compile_tok_s"]))
     g = res.get("gemm")
     if g:
         lines.append("GEMM floor (M=%d): %.0fk tok/s" % (g["M"], g["floor_tok_s"] / 1e3))
@@ -686,7 +749,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cases", type=int, default=64)
     ap.add_argument("--offline-states", type=int, default=2048)
     ap.add_argument("--upstream-offline-states", type=int, default=256)
-    ap.add_argument("--skip", nargs="*", default=[], help="sections to skip: gemm numerics latency offline upstream")
+    ap.add_argument("--skip", nargs="*", default=[],
+                    help="sections to skip: gemm attention numerics latency profile offline hf upstream")
     ap.add_argument("--plot", default=None, help="only redraw the PNG from this JSON")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run of the script")
     ap.add_argument("--attention-child", default=None, help=argparse.SUPPRESS)
@@ -778,7 +842,8 @@ def main(argv=None) -> int:
     sections = [("numerics", lambda: section_numerics(res, engines, a.cases, a.ckpt)),
                 ("latency", lambda: section_latency(res, engines, wl)),
                 ("profile", lambda: section_profile(res, engines, wl)),
-                ("offline", lambda: section_offline(res, engines, wl, flops_tok, budget))]
+                ("offline", lambda: section_offline(res, engines, wl, flops_tok, budget)),
+                ("hf", lambda: section_hf(res, a.ckpt, a.device, budget))]
     for name, fn in sections:
         if name in a.skip or budget.left() < 20:
             log("section %s skipped" % name)
