@@ -28,7 +28,8 @@ class GemmConfig:
     threads: int = 256
     full_row: bool = True   # GemmWarpPolicy.FullRow: each warpgroup owns 64 rows x the whole block_N
     # persistent > 0: that many blocks (one per SM) loop over the output tiles (T.Persistent), so the
-    # TMA producer loads the next tile while the consumers run this tile's epilogue
+    # TMA producer loads the next tile while the consumers run this tile's epilogue (a sweep candidate: no
+    # gain on the H200 for this model's GEMMs, BENCHMARKS.md eighth session)
     persistent: int = 0
 
     def tag(self) -> str:
@@ -86,7 +87,8 @@ def build_gemm(N: int, K: int, bias: bool = False, act: str = "none", cfg: GemmC
 
     rope_cols > 0 (Wqkv: 2 * hidden, the Q and K heads) adds Pos[M] i32, Cos[P,32] f32, Sin[P,32] f32 and
     rotates every 64-column head below rope_cols in the epilogue, exactly as kernels/rope.py does to the
-    stored output (the rounded value, fp32 math): the packed QKV never makes a second trip through memory."""
+    stored output (the rounded value, fp32 math): the packed QKV makes no second trip through memory, though the
+    rotation, after the main loop and not overlapped with it, costs about what the separate kernel did."""
     if act not in ACTS:
         raise ValueError("act must be one of %s, got %r" % (ACTS, act))
     if cfg.bn % 16 or cfg.bk % 16:
