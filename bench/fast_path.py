@@ -211,6 +211,49 @@ def section_attention(res: dict, heads: int, layers: int, global_every: int = 3,
     return by_tag[best] if best else None
 
 
+def section_add_ln(res: dict, d: int, M: int) -> None:
+    """add+LayerNorm ("add" mode, the encoder's) per candidate config at M rows: checked against the reference on
+    every row, timed, bandwidth (12 bytes per element: X read and written fp32, R read and Y written bf16); the
+    fastest correct one goes to layernorm.TUNED for the engines built after it."""
+    import torch
+
+    from kernels import layernorm as L
+    from kernels.precompile import SWEEP_LN
+
+    dev = "cuda"
+    x0 = torch.randn(M, d, device=dev) * 30
+    r = (torch.randn(M, d, device=dev) * 5).bfloat16()
+    w = torch.rand(d, device=dev) + 0.5
+    xr, yr = L.add_ln_ref(x0, r, w, None, 1e-5, "add")
+    rows = []
+    for cfg in SWEEP_LN:
+        rec = {"cfg": cfg.tag()}
+        try:
+            k = L.add_ln_kernel(d, "add", False, 1e-5, torch.bfloat16, cfg)
+            x = x0.clone()
+            y = torch.full((M, d), float("nan"), device=dev, dtype=torch.bfloat16)
+            k(x, r, w, w, y)
+            rec["rel_err"] = max(float((x - xr).norm() / xr.norm()),
+                                 float((y.float() - yr.float()).norm() / yr.float().norm()))
+            xs = x0.clone()
+            ms = bench_gpu(lambda k=k, xs=xs, y=y: k(xs, r, w, w, y))   # X grows each call: fine for timing
+            rec.update(ms=ms, tb_s=M * d * 12 / ms / 1e9, _cfg=cfg)
+        except Exception as e:  # a config that does not compile or run is reported, not fatal
+            rec["error"] = "%s: %s" % (type(e).__name__, e)
+        rows.append(rec)
+    ok = [c for c in rows if "ms" in c and c["rel_err"] < 1e-2]
+    best = min(ok, key=lambda c: c["ms"]) if ok else None
+    if best is not None:
+        L.TUNED[d] = best["_cfg"]
+    for c in rows:
+        c.pop("_cfg", None)
+    default = L.default_config(d).tag()
+    res["add_ln"] = {"M": M, "d": d, "candidates": rows, "best": best and best["cfg"], "default": default}
+    log("add_ln sweep at %d x %d: %s; best %s (default %s)" % (M, d, ", ".join(
+        "%s %.3f ms %.2f TB/s" % (c["cfg"], c["ms"], c["tb_s"]) if "ms" in c else "%s failed" % c["cfg"]
+        for c in rows), best and best["cfg"], default))
+
+
 def attention_child(tags: list[str], heads: int, layers: int, global_every: int = 3, head_layers: int = 2) -> int:
     """Check and time the attention candidates `tags` in order, printing one `ATTN {json}` line each."""
     import torch
@@ -664,6 +707,12 @@ def table(res: dict) -> str:
             lines.append("            " + ", ".join(
                 "%s %.0f" % (c["cfg"], c["tflops"]) + ("" if c["rel_err"] < 2e-2 else " (wrong: %.1e)" % c["rel_err"])
                 if "ms" in c else "%s failed" % c["cfg"] for c in r["candidates"]))
+    al = res.get("add_ln")
+    if al:
+        lines.append("add+LN (%d x %d, add mode): " % (al["M"], al["d"]) + ", ".join(
+            "%s %.2f TB/s%s" % (c["cfg"], c["tb_s"], " (wrong)" if c["rel_err"] >= 1e-2 else "")
+            if "ms" in c else "%s failed" % c["cfg"] for c in al["candidates"])
+            + "; used %s (default %s)" % (al["best"], al["default"]))
     n = res.get("numerics")
     if n:
         for k in ("eager", "fast", "fast16"):
@@ -750,7 +799,7 @@ def main(argv=None) -> int:
     ap.add_argument("--offline-states", type=int, default=2048)
     ap.add_argument("--upstream-offline-states", type=int, default=256)
     ap.add_argument("--skip", nargs="*", default=[],
-                    help="sections to skip: gemm attention numerics latency profile offline hf upstream")
+                    help="sections to skip: gemm add_ln attention numerics latency profile offline hf upstream")
     ap.add_argument("--plot", default=None, help="only redraw the PNG from this JSON")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run of the script")
     ap.add_argument("--attention-child", default=None, help=argparse.SUPPRESS)
@@ -810,6 +859,15 @@ def main(argv=None) -> int:
             section_gemm(res, dims, a.gemm_m)
         except Exception:
             res.setdefault("errors", {})["gemm"] = traceback.format_exc()
+            log(traceback.format_exc())
+        save()
+    if "add_ln" not in a.skip and a.device == "cuda":
+        from model.make_checkpoint import SHAPES
+
+        try:
+            section_add_ln(res, SHAPES[a.make or "modernbert-large"]["hidden"], a.gemm_m)
+        except Exception:
+            res.setdefault("errors", {})["add_ln"] = traceback.format_exc()
             log(traceback.format_exc())
         save()
     attn_cfg = None

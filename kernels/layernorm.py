@@ -48,6 +48,16 @@ def default_config(D: int) -> LNConfig:
     return LNConfig(bm=bm, threads=threads)
 
 
+# Per-width configs measured faster than default_config (bench/fast_path.py's add+LN sweep fills this for the run;
+# candidates: kernels/precompile.SWEEP_LN).
+TUNED: dict[int, LNConfig] = {}
+
+
+def pick_config(D: int) -> LNConfig:
+    """The config for width D: a measured winner, else default_config(D)."""
+    return TUNED.get(D) or default_config(D)
+
+
 def add_ln_ref(x: torch.Tensor, r: torch.Tensor | None, w: torch.Tensor, b: torch.Tensor | None, eps: float,
                mode: str = "add", out_dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference: returns (new X fp32, Y in out_dtype) without touching the inputs."""
@@ -115,8 +125,8 @@ def add_ln_kernel(D: int, mode: str = "add", bias: bool = False, eps: float = 1e
                   out_dtype: torch.dtype = torch.bfloat16, cfg: LNConfig | None = None,
                   r_dtype: torch.dtype = torch.bfloat16):
     """The compiled kernel for one (D, mode, bias, eps, out dtype, cfg, residual-input dtype), built once per
-    process (cfg None = default_config(D))."""
-    cfg = cfg or default_config(D)
+    process (cfg None = pick_config(D))."""
+    cfg = cfg or pick_config(D)
     od, rd = _tl.dt(out_dtype), _tl.dt(r_dtype)
     extra = {} if rd == _tl.BF16 else {"r": rd}  # bf16 kernels keep their names (and cache entries)
     name = _tl.kernel_name("lf_addln", d=D, m=mode, b=int(bias), e="%g" % eps, o=od, c=cfg.tag(), **extra)
@@ -140,4 +150,5 @@ def _dummy(M: int, D: int, device: torch.device, dtype: torch.dtype = torch.bflo
     return torch.empty(M, D, dtype=dtype, device=device)
 
 
-__all__ = ["LNConfig", "MODES", "default_config", "add_ln_ref", "build_add_ln", "add_ln_kernel", "add_ln"]
+__all__ = ["LNConfig", "MODES", "TUNED", "pick_config", "default_config", "add_ln_ref", "build_add_ln", "add_ln_kernel",
+           "add_ln"]

@@ -16,6 +16,7 @@ import torch
 from . import attention as _attn
 from . import geglu as _geglu
 from . import gemm as _gemm
+from . import layernorm as _ln
 from .forward import compile_specs, kernel_specs
 
 BF = torch.bfloat16
@@ -31,6 +32,10 @@ SWEEP_GEMM = (
     _gemm.GemmConfig(bm=128, bn=128, bk=128, stages=3, threads=256),
     _gemm.GemmConfig(bm=128, bn=128, bk=128, stages=3, threads=256, persistent=132),
 )
+# add+LayerNorm (bandwidth-bound: ~3.4 TB/s with the default at D = 1024 on the H200): rows and threads per block,
+# each keeping D / 4 a multiple of the threads (see layernorm.default_config)
+SWEEP_LN = (_ln.LNConfig(4, 128), _ln.LNConfig(2, 64), _ln.LNConfig(4, 64), _ln.LNConfig(8, 128),
+            _ln.LNConfig(8, 256), _ln.LNConfig(16, 256))
 SWEEP_GEGLU = (
     _geglu.LARGE,
     _geglu.GegluConfig(bm=128, bn=128, bk=64, stages=3, threads=256),
@@ -77,6 +82,10 @@ def sweep_specs(shape: str = "modernbert-large") -> list[tuple[str, tuple]]:
                 ("gemm", (d, ffn, True, "none", c, BF))]
     for c in _attn.CANDIDATES:
         out += [("attention", (dims["heads"], w, c)) for w in (0, 64)]
+    # every add+LN the forward launches, per candidate (a winner serves all of them)
+    for c in SWEEP_LN:
+        out += [("add_ln", (d, m, False, 1e-5, BF, c)) for m in ("add", "inplace", "add_inplace")]
+        out += [("add_ln", (d, m, True, 1e-5, BF, c)) for m in ("plain", "add")]
     return out
 
 

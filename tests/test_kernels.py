@@ -200,6 +200,24 @@ def test_add_ln_splits_each_row_over_the_threads(monkeypatch, D):
 
 
 @needs_tilelang
+def test_add_ln_sweep_candidates_split_rows_over_threads(monkeypatch):
+    """Every add+LN candidate of the benchmark's sweep keeps the split layout at D = 1024 (no whole rows per
+    thread), and a tuned winner is what add_ln_kernel builds by default."""
+    import re
+
+    from kernels.precompile import SWEEP_LN
+
+    monkeypatch.setenv("LAYA_FLEET_TL_ARCH", "sm_90a")
+    for cfg in SWEEP_LN:
+        assert 256 % cfg.threads == 0
+        src = layernorm.add_ln_kernel(1024, "add", False, 1e-5, torch.bfloat16, cfg).get_kernel_source()
+        assert [int(n) for n in re.findall(r"float x\[(\d+)\]", src)] == [cfg.bm * 1024 // cfg.threads], cfg
+    monkeypatch.setitem(layernorm.TUNED, 1024, SWEEP_LN[-1])
+    assert layernorm.pick_config(1024) == SWEEP_LN[-1] and layernorm.pick_config(768) == layernorm.default_config(768)
+    assert "_c%s_" % SWEEP_LN[-1].tag() in layernorm.add_ln_kernel(1024, "add", False, 1e-5).get_kernel_source()
+
+
+@needs_tilelang
 def test_kernel_index_loads_the_same_kernel_without_the_frontend(monkeypatch, tmp_path):
     """The second compile of a kernel comes from our index (kernels/_tl.py) without calling its builder, and is
     the same kernel: same PrimFunc, params, dynamic shapes and source. A stale entry falls back to compiling."""
@@ -371,6 +389,26 @@ def test_add_ln(M, mode, bias):
     else:
         torch.testing.assert_close(xk, xr, atol=2e-5, rtol=1e-5)
     _close(y, yr, 1e-2)
+
+
+@gpu
+@needs_tilelang
+@pytest.mark.parametrize("M", [1, 77, 1003])
+@pytest.mark.parametrize("bias", [False, True])
+def test_add_ln_sweep_candidates(M, bias):
+    """Each add+LN config the benchmark may pick gives the reference's answer ("add" mode, the encoder's)."""
+    from kernels.precompile import SWEEP_LN
+
+    x = torch.randn(M, 1024, device=DEV) * 3000
+    r = (torch.randn(M, 1024, device=DEV) * 50).bfloat16()
+    w = torch.rand(1024, device=DEV) + 0.5
+    b = torch.randn(1024, device=DEV) if bias else None
+    _, yr = layernorm.add_ln_ref(x, r, w, b, 1e-5, "add")
+    for cfg in SWEEP_LN:
+        xk, y = x.clone(), _poison(M, 1024)
+        layernorm.add_ln_kernel(1024, "add", bias, 1e-5, torch.bfloat16, cfg)(xk, r, w, b if bias else w, y)
+        assert torch.equal(xk, x + r.float()), cfg
+        _close(y, yr, 1e-2)
 
 
 @gpu
