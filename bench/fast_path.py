@@ -806,6 +806,10 @@ def main(argv=None) -> int:
     ap.add_argument("--heads", type=int, default=16, help=argparse.SUPPRESS)
     ap.add_argument("--layers", type=int, default=28, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    sections = ("gemm", "add_ln", "attention", "numerics", "latency", "profile", "offline", "hf", "upstream")
+    if any(x not in sections for x in a.skip):  # a misspelt section would silently run
+        ap.error("--skip: unknown %s (use %s)" % (", ".join(x for x in a.skip if x not in sections),
+                                                 ", ".join(sections)))
     if a.attention_child:
         return attention_child(a.attention_child.split(","), a.heads, a.layers)
     if a.plot:

@@ -389,6 +389,10 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", default=None,
                     help="dir: per row, a cProfile of load + warm-up (.prof) and the child's stderr with -X importtime")
     args = ap.parse_args(argv)
+    known = ("fast", "compile", "regional", "whole", "aot", "peak")
+    order = [x for x in args.rows.split(",") if x]
+    if any(x not in known for x in order):  # a misspelt row would silently measure nothing
+        ap.error("--rows: unknown %s (use %s)" % (", ".join(x for x in order if x not in known), ", ".join(known)))
     if args.child:
         import faulthandler
 
@@ -444,7 +448,6 @@ def main(argv=None) -> int:
                                                           "seeded", "published", "vs fp32 eager"), flush=True)
     acc = {"accuracy": args.accuracy_rows}
     peak_tokens = min(1024, max_len)
-    order = [x for x in args.rows.split(",") if x in ("fast", "compile", "regional", "whole", "aot", "peak")]
     if not cuda:
         order = [x for x in order if x != "fast"]  # TileLang kernels need CUDA
     background = None
