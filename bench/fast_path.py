@@ -133,6 +133,12 @@ def section_gemm(res: dict, dims: dict, M: int) -> None:
         ref_norm = float(ref.float().norm())
         out = torch.empty(M, N, device=dev, dtype=torch.bfloat16)
         cands = []
+        if name == "wqkv":   # the forward runs Wqkv with its RoPE epilogue: timed too, and that picks its tile
+            from kernels import rope as RP
+
+            pos = torch.randint(0, 512, (M,), device=dev, dtype=torch.int32)
+            cos, sin = RP.rope_tables(160000.0, 512, dev)
+            ref_rope = RP.rope_ref(ref, pos, cos, sin, d // 64).float()
         for cfg in (SWEEP_GEGLU if name == "wi_geglu" else SWEEP_GEMM):
             try:
                 k = G.geglu_kernel(N, Kd, cfg) if name == "wi_geglu" else K.gemm_kernel(N, Kd, False, "none", cfg)
@@ -144,18 +150,29 @@ def section_gemm(res: dict, dims: dict, M: int) -> None:
                 err = float((out.float() - ref.float()).norm()) / ref_norm
                 t = bench_gpu(call)
                 cands.append({"cfg": cfg.tag(), "ms": t, "tflops": flops / t / 1e9, "rel_err": err, "_cfg": cfg})
+                if name == "wqkv" and cfg.bn % 64 == 0:
+                    kr = K.gemm_kernel(N, Kd, False, "none", cfg, rope_cols=2 * d)
+                    out.fill_(float("nan"))
+                    kr(a, w, zb, out, pos, cos, sin)
+                    cands[-1]["rope_rel_err"] = float((out.float() - ref_rope).norm() / ref_rope.norm())
+                    cands[-1]["rope_ms"] = bench_gpu(lambda kr=kr, a=a, w=w, out=out, zb=zb, r=(pos, cos, sin):
+                                                     kr(a, w, zb, out, *r))
             except Exception as e:  # a config that does not compile or run is reported, not fatal
                 cands.append({"cfg": cfg.tag(), "error": "%s: %s" % (type(e).__name__, e)})
         ok = [c for c in cands if "ms" in c and c["rel_err"] < 2e-2]
         best = min(ok, key=lambda c: c["ms"]) if ok else None
-        if best is not None:
-            (G.TUNED if name == "wi_geglu" else K.TUNED)[(N, Kd)] = best["_cfg"]
+        ok_rope = [c for c in ok if c.get("rope_rel_err", 1.0) < 2e-2]
+        use = min(ok_rope, key=lambda c: c["rope_ms"]) if ok_rope else best
+        if use is not None:
+            (G.TUNED if name == "wi_geglu" else K.TUNED)[(N, Kd)] = use["_cfg"]
         for c in cands:
             c.pop("_cfg", None)
         rows.append({"name": name, "M": M, "N": n_t, "K": Kd, "torch_ms": t_torch,
                      "torch_tflops": flops / t_torch / 1e9,
                      "candidates": cands, "best": best and best["cfg"],
-                     "best_tflops": best and best["tflops"], "ratio_vs_torch": best and t_torch / best["ms"]})
+                     "best_tflops": best and best["tflops"], "ratio_vs_torch": best and t_torch / best["ms"],
+                     "used": use and use["cfg"],
+                     **({"used_rope_ms": use["rope_ms"]} if use and "rope_ms" in use else {})})
         log("gemm %-9s torch %.0f TF/s, best tilelang %s" % (name, flops / t_torch / 1e9,
                                                              best and "%.0f TF/s (%s)" % (best["tflops"], best["cfg"])))
     # GEMM floor: every matmul of encoder + head + scorer at torch.matmul speed, per token at this M
@@ -706,7 +723,11 @@ def table(res: dict) -> str:
                 if r["best"] else "n/a"))
             lines.append("            " + ", ".join(
                 "%s %.0f" % (c["cfg"], c["tflops"]) + ("" if c["rel_err"] < 2e-2 else " (wrong: %.1e)" % c["rel_err"])
+                + (" (+RoPE %.3f ms%s)" % (c["rope_ms"], "" if c["rope_rel_err"] < 2e-2 else " wrong")
+                   if "rope_ms" in c else "")
                 if "ms" in c else "%s failed" % c["cfg"] for c in r["candidates"]))
+            if r.get("used") and r["used"] != r["best"]:
+                lines.append("            the forward uses %s (fastest with its RoPE epilogue)" % r["used"])
     al = res.get("add_ln")
     if al:
         lines.append("add+LN (%d x %d, add mode): " % (al["M"], al["d"]) + ", ".join(

@@ -81,6 +81,11 @@ def is_hopper() -> bool:
     return target()["arch"].startswith("sm_90")
 
 
+def ws_pass_configs(ws: bool) -> dict | None:
+    """The pass configs of a kernel with (None) or without TileLang's automatic warp specialisation."""
+    return None if ws else {"tl.disable_warp_specialized": True}
+
+
 def compile_func(build: Callable[[], Any] | Any, name: str, fast_math: bool = False,
                  pass_configs: dict | None = None) -> Any:
     """Compile the PrimFunc that `build()` returns under a unique, deterministic symbol `name`; returns the

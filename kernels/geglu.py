@@ -27,12 +27,14 @@ class GegluConfig:
     threads: int = 256
     full_row: bool = True
     persistent: int = 0   # > 0: that many blocks loop over the tiles (see gemm.GemmConfig.persistent)
+    ws: bool = True       # False: no producer warpgroup (see gemm.GemmConfig.ws)
 
     def tag(self) -> str:
-        """A short text form, e.g. 128x128x64s3t256r (p132: persistent over 132 blocks)."""
+        """A short text form, e.g. 128x128x64s3t256r (p132: persistent over 132 blocks; n: not warp-specialised)."""
         pol = "r" if self.full_row else "q"
         pers = "p%d" % self.persistent if self.persistent else ""
-        return "%dx%dx%ds%dt%d%s%s" % (self.bm, self.bn, self.bk, self.stages, self.threads, pol, pers)
+        return "%dx%dx%ds%dt%d%s%s%s" % (self.bm, self.bn, self.bk, self.stages, self.threads, pol, pers,
+                                         "" if self.ws else "n")
 
 
 SMALL = GegluConfig(bm=64, bn=64, bk=128, stages=3, threads=128)
@@ -104,7 +106,8 @@ def geglu_kernel(Fd: int, K: int, cfg: GegluConfig = LARGE, dtype: torch.dtype =
     d = _tl.dt(dtype)
     extra = {} if d == _tl.BF16 else {"i": d}  # bf16 kernels keep their names (and cache entries)
     name = _tl.kernel_name("lf_geglu", f=Fd, k=K, c=cfg.tag(), **extra)
-    return _tl.memo(("geglu", Fd, K, cfg, d), lambda: _tl.compile_func(lambda: build_geglu(Fd, K, cfg, d), name))
+    return _tl.memo(("geglu", Fd, K, cfg, d), lambda: _tl.compile_func(lambda: build_geglu(Fd, K, cfg, d), name,
+                                                           pass_configs=_tl.ws_pass_configs(cfg.ws)))
 
 
 def geglu(a: torch.Tensor, wi: torch.Tensor, out: torch.Tensor | None = None,

@@ -31,12 +31,17 @@ class GemmConfig:
     # TMA producer loads the next tile while the consumers run this tile's epilogue (a sweep candidate: no
     # gain on the H200 for this model's GEMMs, BENCHMARKS.md eighth session)
     persistent: int = 0
+    # ws=False: no producer warpgroup (TileLang's warp specialisation off); the same threads issue the TMA loads
+    # of a software pipeline, so a block needs far fewer registers and two can share an SM, one's epilogue and
+    # pipeline fill overlapping the other's main loop (what won for attention, kernels/attention.py)
+    ws: bool = True
 
     def tag(self) -> str:
-        """A short text form, e.g. 128x256x64s3t256r (p132: persistent over 132 blocks)."""
+        """A short text form, e.g. 128x256x64s3t256r (p132: persistent over 132 blocks; n: not warp-specialised)."""
         pol = "r" if self.full_row else "q"
         pers = "p%d" % self.persistent if self.persistent else ""
-        return "%dx%dx%ds%dt%d%s%s" % (self.bm, self.bn, self.bk, self.stages, self.threads, pol, pers)
+        return "%dx%dx%ds%dt%d%s%s%s" % (self.bm, self.bn, self.bk, self.stages, self.threads, pol, pers,
+                                         "" if self.ws else "n")
 
 
 SMALL = GemmConfig(bm=64, bn=64, bk=128, stages=4, threads=128)
@@ -117,19 +122,14 @@ def build_gemm(N: int, K: int, bias: bool = False, act: str = "none", cfg: GemmC
                 C_l[i, j] = apply_act(C_l[i, j], act, T)
         T.copy(C_l, C_s)
         if rope_cols:
-            if bx * bn < rope_cols:   # Q / K heads: rotate from the staged tile straight to memory
+            if bx * bn < rope_cols:   # Q / K heads: rotate the staged tile in place, then one bulk store
                 for i, h, d in T.Parallel(bm, bn // 64, 32):
-                    r = by * bm + i
-                    if r < M:
-                        p = Pos[r]
-                        x0 = T.Cast(F32, C_s[i, h * 64 + d])
-                        x1 = T.Cast(F32, C_s[i, h * 64 + d + 32])
-                        C[r, bx * bn + h * 64 + d] = T.Cast(out_dtype, x0 * Cos[p, d] - x1 * Sin[p, d])
-                        C[r, bx * bn + h * 64 + d + 32] = T.Cast(out_dtype, x1 * Cos[p, d] + x0 * Sin[p, d])
-            else:
-                T.copy(C_s, C[by * bm, bx * bn])
-        else:
-            T.copy(C_s, C[by * bm, bx * bn])
+                    p = Pos[T.min(by * bm + i, M - 1)]   # rows past M are never stored
+                    x0 = T.Cast(F32, C_s[i, h * 64 + d])
+                    x1 = T.Cast(F32, C_s[i, h * 64 + d + 32])
+                    C_s[i, h * 64 + d] = T.Cast(out_dtype, x0 * Cos[p, d] - x1 * Sin[p, d])
+                    C_s[i, h * 64 + d + 32] = T.Cast(out_dtype, x1 * Cos[p, d] + x0 * Sin[p, d])
+        T.copy(C_s, C[by * bm, bx * bn])
 
     @T.macro
     def launch(A, W, Bias, C, Pos, Cos, Sin):
@@ -172,7 +172,8 @@ def gemm_kernel(N: int, K: int, bias: bool = False, act: str = "none", cfg: Gemm
         extra["r"] = rope_cols
     name = _tl.kernel_name("lf_gemm", n=N, k=K, b=int(bias), a=act, c=cfg.tag(), o=od, **extra)
     return _tl.memo(("gemm", N, K, bias, act, cfg, od, idt, rope_cols),
-                    lambda: _tl.compile_func(lambda: build_gemm(N, K, bias, act, cfg, od, idt, rope_cols), name))
+                    lambda: _tl.compile_func(lambda: build_gemm(N, K, bias, act, cfg, od, idt, rope_cols), name,
+                                             pass_configs=_tl.ws_pass_configs(cfg.ws)))
 
 
 def gemm(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, act: str = "none",

@@ -23,7 +23,8 @@ BF = torch.bfloat16
 
 # Candidate large-M tiles for the sweep (Hopper: 2 consumer warpgroups + a TMA producer warpgroup; p132: one
 # persistent block per SM of an H100/H200, whose producer loads the next tile during this tile's epilogue;
-# no gain measured on the H200, kept so a new GPU or torch release gets the choice).
+# no gain measured on the H200, kept so a new GPU or torch release gets the choice; n: no warp specialisation,
+# 96 registers a thread, so two blocks share an SM and one's epilogue overlaps the other's main loop).
 SWEEP_GEMM = (
     _gemm.LARGE,
     _gemm.GemmConfig(bm=128, bn=256, bk=64, stages=4, threads=256),
@@ -31,6 +32,8 @@ SWEEP_GEMM = (
     _gemm.GemmConfig(bm=256, bn=128, bk=64, stages=3, threads=256),
     _gemm.GemmConfig(bm=128, bn=128, bk=128, stages=3, threads=256),
     _gemm.GemmConfig(bm=128, bn=128, bk=128, stages=3, threads=256, persistent=132),
+    _gemm.GemmConfig(bm=128, bn=128, bk=64, stages=3, threads=256, ws=False),
+    _gemm.GemmConfig(bm=128, bn=128, bk=64, stages=2, threads=256, ws=False),
 )
 # add+LayerNorm (bandwidth-bound: ~3.4 TB/s with the default at D = 1024 on the H200): rows and threads per block,
 # each keeping D / 4 a multiple of the threads (see layernorm.default_config)
@@ -41,6 +44,8 @@ SWEEP_GEGLU = (
     _geglu.GegluConfig(bm=128, bn=128, bk=64, stages=3, threads=256),
     _geglu.GegluConfig(bm=128, bn=128, bk=64, stages=3, threads=256, persistent=132),
     _geglu.GegluConfig(bm=128, bn=128, bk=64, stages=4, threads=256, persistent=132),
+    _geglu.GegluConfig(bm=128, bn=64, bk=64, stages=3, threads=256, ws=False),
+    _geglu.GegluConfig(bm=128, bn=128, bk=64, stages=3, threads=256, ws=False),
 )
 
 
@@ -100,7 +105,10 @@ def test_specs() -> list[tuple[str, tuple]]:
     pers = _gemm.GemmConfig(bm=128, bn=256, bk=64, stages=3, threads=256, persistent=132)
     out += [("gemm", (3072, 1024, False, "none", pers, BF)),
             ("geglu", (2624, 1024, _geglu.GegluConfig(bm=128, bn=128, bk=64, stages=3, threads=256, persistent=132)))]
-    out += [("gemm", (3072, 1024, False, "none", c, BF, BF, 2048)) for c in (_gemm.SMALL, _gemm.LARGE, pers)]
+    nows = [c for c in SWEEP_GEMM if not c.ws]
+    out += [("gemm", (3072, 1024, False, "none", c, BF)) for c in nows]
+    out += [("geglu", (2624, 1024, c)) for c in SWEEP_GEGLU if not c.ws]
+    out += [("gemm", (3072, 1024, False, "none", c, BF, BF, 2048)) for c in (_gemm.SMALL, _gemm.LARGE, pers, nows[0])]
     for mode in ("add", "plain", "inplace", "add_inplace"):
         for bias in (False, True):
             out.append(("add_ln", (1024, mode, bias, 1e-5, BF)))

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import attention, geglu, gemm, layernorm, rope
+from kernels import attention, geglu, gemm, layernorm, precompile, rope
 from kernels.forward import row_capacity, token_buckets
 
 HAS_TILELANG = importlib.util.find_spec("tilelang") is not None
@@ -158,7 +158,8 @@ def test_attention_without_warp_specialisation_compiles_for_hopper(monkeypatch, 
 @needs_tilelang
 def test_persistent_and_rope_fused_gemms_compile_for_hopper(monkeypatch):
     """A persistent GEMM launches one block per SM (a fixed grid) that loops over the tiles; the RoPE-fused Wqkv
-    GEMM takes positions and tables, writes rotated Q/K tiles itself and stores V tiles through TMA."""
+    GEMM takes positions and tables, rotates Q/K tiles in shared memory and stores every tile through TMA (no
+    element-wise global stores: C is only reached through its tensor map)."""
     import re
 
     monkeypatch.setenv("LAYA_FLEET_TL_ARCH", "sm_90a")
@@ -174,10 +175,31 @@ def test_persistent_and_rope_fused_gemms_compile_for_hopper(monkeypatch):
         k = gemm.gemm_kernel(3072, 1024, False, "none", cfg, rope_cols=2048)
         rs = k.get_kernel_source()
         assert "Cos" in rs and "Sin" in rs and "Pos" in rs and "tma_store" in rs and "_r2048_" in rs
+        assert "C_desc" in rs and not re.search(r"\* __restrict__ C\b", rs)
         names = ("A", "W", "Bias", "C", "Pos", "Cos", "Sin")
         assert [p.name for p in k.prim_func.params] == [n + "_handle" for n in names]
     with pytest.raises(ValueError, match="RoPE"):
         gemm.build_gemm(3072, 1024, cfg=gemm.GemmConfig(bn=96), rope_cols=2048)
+
+
+@needs_tilelang
+def test_unspecialised_gemm_and_geglu_compile_for_hopper(monkeypatch):
+    """ws=False: no producer warpgroup or register reallocation (a block of `threads` threads whose cp.async
+    pipeline feeds wgmma), under a name of its own; the default keeps TileLang's warp specialisation."""
+    import re
+
+    monkeypatch.setenv("LAYA_FLEET_TL_ARCH", "sm_90a")
+    g = gemm.GemmConfig(bm=128, bn=128, bk=64, stages=3, threads=256, ws=False)
+    assert g.tag() == "128x128x64s3t256rn" and g in precompile.SWEEP_GEMM
+    gg = geglu.GegluConfig(bm=128, bn=64, bk=64, stages=3, threads=256, ws=False)
+    assert gg.tag() == "128x64x64s3t256rn" and gg in precompile.SWEEP_GEGLU
+    for src in (gemm.gemm_kernel(3072, 1024, False, "none", g).get_kernel_source(),
+                gemm.gemm_kernel(3072, 1024, False, "none", g, rope_cols=2048).get_kernel_source(),
+                geglu.geglu_kernel(2624, 1024, gg).get_kernel_source()):
+        assert re.findall(r"__launch_bounds__\((\d+)", src) == ["256"]
+        assert "reg_alloc" not in src and "wgmma" in src and "cp_async" in src and "rn_" in src
+    ws = gemm.gemm_kernel(3072, 1024, False, "none", gemm.LARGE).get_kernel_source()
+    assert re.findall(r"__launch_bounds__\((\d+)", ws) == ["384"] and "reg_alloc" in ws
 
 
 @needs_tilelang
@@ -312,14 +334,39 @@ def test_persistent_gemm_and_geglu(M):
     _close(g, geglu.geglu_ref(a, wi), 1.5e-2)
 
 
+UNSPECIALISED_GEMM = [c for c in precompile.SWEEP_GEMM if not c.ws]
+UNSPECIALISED_GEGLU = [c for c in precompile.SWEEP_GEGLU if not c.ws]
+
+
+@gpu
+@needs_tilelang
+@pytest.mark.parametrize("M", [77, 1000, 40000])
+def test_unspecialised_gemm_and_geglu(M):
+    """The sweep's candidates without warp specialisation (cp.async pipeline, two blocks an SM): every row checked
+    at a partial last tile and at many tiles."""
+    a = torch.randn(M, 1024, device=DEV).bfloat16()
+    w = (torch.randn(3072, 1024, device=DEV) * 1024 ** -0.5).bfloat16()
+    ref = gemm.gemm_ref(a, w)
+    for c in UNSPECIALISED_GEMM:
+        out = _poison(M, 3072)
+        gemm.gemm(a, w, out=out, cfg=c)
+        _close(out, ref, 1e-2)
+    wi = (torch.randn(2 * 2624, 1024, device=DEV) / 32).bfloat16()
+    ref = geglu.geglu_ref(a, wi)
+    for c in UNSPECIALISED_GEGLU:
+        g = _poison(M, 2624)
+        geglu.geglu(a, wi, out=g, cfg=c)
+        _close(g, ref, 1.5e-2)
+
+
 @gpu
 @needs_tilelang
 @pytest.mark.parametrize("M", [1, 77, 200, 1000])
-@pytest.mark.parametrize("cfg", ["SMALL", "LARGE", "PERSISTENT"])
+@pytest.mark.parametrize("cfg", ["SMALL", "LARGE", "PERSISTENT", "UNSPECIALISED"])
 def test_gemm_with_rope_epilogue_equals_gemm_then_rope(M, cfg):
     """The fused Wqkv GEMM + RoPE gives what the GEMM kernel followed by the RoPE kernel gives (the same rounding
     of the product before the rotation), V columns untouched by the rotation."""
-    c = PERSISTENT if cfg == "PERSISTENT" else getattr(gemm, cfg)
+    c = {"PERSISTENT": PERSISTENT, "UNSPECIALISED": UNSPECIALISED_GEMM[0]}.get(cfg) or getattr(gemm, cfg)
     heads = 16
     a = torch.randn(M, 1024, device=DEV).bfloat16()
     w = (torch.randn(3 * 1024, 1024, device=DEV) * 1024 ** -0.5).bfloat16()
