@@ -508,8 +508,10 @@ def section_latency(res: dict, engines: dict, wl: dict) -> None:
             else:
                 e2e = timed(lambda eng=eng, s=states, qs=qs: eng.predict_batch(s, qs))
             fwd = timed(lambda eng=eng, rows=rows: eng.backend.forward(rows))
+            enc = timed(lambda eng=eng, states=states, qs=qs: eng.encode_many(states, eng.prepare(qs)))
             out.setdefault(wname, {})["ours_" + name] = {"e2e_ms": e2e["ms"], "e2e_p90_ms": e2e["p90_ms"],
-                                                         "fwd_ms": fwd["ms"], "tokens": tok, "rows": len(rows)}
+                                                         "fwd_ms": fwd["ms"], "encode_ms": enc["ms"], "tokens": tok,
+                                                         "rows": len(rows)}
             log("%s %s: e2e %.2f ms, fwd %.2f ms (%d tokens)" % (name, wname, e2e["ms"], fwd["ms"], tok))
 
 
@@ -525,6 +527,7 @@ def section_profile(res: dict, engines: dict, wl: dict) -> None:
         sfx = "" if name == "fast" else " " + name
         rows, _ = rows_of(eng, [wl["10x3@512"]])
         out["10x3@512" + sfx] = ff.profile(rows)
+        out["10x3@512" + sfx]["split"] = forward_split(eng, rows)
         orows, _ = rows_of(eng, [(wl["offline"][0][:400], wl["offline"][1])])
         chunk, tot = [], 0
         for r in orows:
@@ -539,6 +542,35 @@ def section_profile(res: dict, engines: dict, wl: dict) -> None:
         log("profile %s (%d tokens, bucket %d): total %.2f ms; %s; other %.2f" % (
             k, p["tokens"], p["bucket"], p["total_ms"], ", ".join("%s %.2f" % kv for kv in groups.items()),
             p["other_ms"]))
+
+
+def forward_split(eng, rows, reps: int = 20) -> dict:
+    """Where one fast forward of `rows` (one chunk) spends its time, medians in ms: the host staging, the
+    encoder graph's replay on the GPU (CUDA events), and the whole backend forward (wall clock, synchronised)."""
+    import torch
+
+    ff = eng.backend.engine
+    Tb = ff.bucket_for(sum(len(r.ids) for r in rows), len(rows))
+    stage, graph, whole = [], [], []
+    with ff._lock:
+        for _ in range(reps):
+            t = time.perf_counter()
+            ff._stage(rows, Tb)
+            stage.append((time.perf_counter() - t) * 1e3)
+            n = ff._int_size(Tb)
+            ff._ints[:n].copy_(ff._ints_host[:n])
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            ff._encoder(Tb)
+            e1.record()
+            torch.cuda.synchronize()
+            graph.append(e0.elapsed_time(e1))
+    for _ in range(reps):
+        t = time.perf_counter()
+        eng.backend.forward(rows)
+        whole.append((time.perf_counter() - t) * 1e3)
+    return {"stage_ms": float(np.median(stage)), "graph_ms": float(np.median(graph)),
+            "forward_ms": float(np.median(whole))}
 
 
 def group_ops(ops: dict) -> dict:
@@ -757,6 +789,9 @@ def table(res: dict) -> str:
         lines.append("profile %-13s %5d tok: %.2f ms = %s, other %.2f" % (
             k, p["tokens"], p["total_ms"], ", ".join("%s %.2f" % kv for kv in group_ops(p["ops"]).items()),
             p["other_ms"]))
+        if "split" in p:
+            lines.append("  one forward %.2f ms: host staging %.2f, encoder graph on the GPU %.2f" % (
+                p["split"]["forward_ms"], p["split"]["stage_ms"], p["split"]["graph_ms"]))
     fs = res.get("load", {}).get("fast", {}).get("stats")
     if fs:
         lines.append("fast: %d graphs + %d tail graphs, warm-up %.1fs, captures after warm-up %d" % (

@@ -191,8 +191,8 @@ def test_unspecialised_gemm_and_geglu_compile_for_hopper(monkeypatch):
     monkeypatch.setenv("LAYA_FLEET_TL_ARCH", "sm_90a")
     g = gemm.GemmConfig(bm=128, bn=128, bk=64, stages=3, threads=256, ws=False)
     assert g.tag() == "128x128x64s3t256rn" and g in precompile.SWEEP_GEMM
-    gg = geglu.GegluConfig(bm=128, bn=64, bk=64, stages=3, threads=256, ws=False)
-    assert gg.tag() == "128x64x64s3t256rn" and gg in precompile.SWEEP_GEGLU
+    gg = geglu.GegluConfig(bm=128, bn=128, bk=64, stages=3, threads=256, ws=False)
+    assert gg.tag() == "128x128x64s3t256rn" and gg in precompile.SWEEP_GEGLU
     for src in (gemm.gemm_kernel(3072, 1024, False, "none", g).get_kernel_source(),
                 gemm.gemm_kernel(3072, 1024, False, "none", g, rope_cols=2048).get_kernel_source(),
                 geglu.geglu_kernel(2624, 1024, gg).get_kernel_source()):
