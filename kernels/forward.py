@@ -295,11 +295,15 @@ class FastForward:
         n_int = 4 * T + self.R_max + 2 + 2 * nt
         pin = dev.type == "cuda"
         self._ints = torch.zeros(n_int, dtype=torch.int32, device=dev)
-        self._ints_host = torch.zeros(n_int, dtype=torch.int32, pin_memory=pin)
         rb = _pow2(self.R_max)
         n_tail = rb * (self.K_max + 1)
         self._tail = torch.zeros(n_tail, dtype=torch.int32, device=dev)
-        self._tail_host = torch.zeros(n_tail, dtype=torch.int32, pin_memory=pin)
+        # two host staging slots: a multi-chunk forward stages chunk k + 1 on the CPU while the GPU runs chunk k
+        # (slot 0 doubles as the staging buffer of warm-up and profile, which run one chunk at a time)
+        self._slots = [(torch.zeros(n_int, dtype=torch.int32, pin_memory=pin),
+                        torch.zeros(n_tail, dtype=torch.int32, pin_memory=pin)) for _ in range(2)]
+        self._slot_done: list[Any] = [None, None]   # the CUDA event after the last chunk that used each slot
+        self._ints_host, self._tail_host = self._slots[0]
         # zero-filled so stale padding rows are always finite (attention multiplies them by p = 0)
         self.X = torch.zeros(T, d, dtype=torch.float32, device=dev)
         self.Y = torch.zeros(T, d, dtype=adt, device=dev)
@@ -512,14 +516,14 @@ class FastForward:
         raise ValueError("%d tokens in %d rows exceed the largest bucket (%d tokens, %d rows)"
                          % (tokens, rows, self.T_max, self.R_max))
 
-    def _stage(self, rows: Sequence[Row], Tb: int) -> np.ndarray:
-        """Fill the host staging buffer for one chunk; returns cu_seqlens (int64, n + 1)."""
+    def _stage(self, rows: Sequence[Row], Tb: int, host: torch.Tensor | None = None) -> np.ndarray:
+        """Fill a host staging buffer (default: slot 0's) for one chunk; returns cu_seqlens (int64, n + 1)."""
         n = len(rows)
         lens = np.fromiter((len(r.ids) for r in rows), dtype=np.int64, count=n)
         total = int(lens.sum())
         R = row_capacity(Tb)
         nt = -(-Tb // self.attn_cfg.bm) + R
-        st = self._ints_host.numpy()
+        st = (self._ints_host if host is None else host).numpy()
         cu = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(lens, out=cu[1:])
         st[0:total] = np.fromiter(itertools.chain.from_iterable(r.ids for r in rows), dtype=np.int32, count=total)
@@ -628,32 +632,54 @@ class FastForward:
         return ent[1]
 
     @torch.no_grad()
-    def _run_chunk(self, rows: Sequence[Row]) -> tuple[np.ndarray, np.ndarray]:
+    def _launch_chunk(self, rows: Sequence[Row], slot: int) -> tuple[torch.Tensor, Any, int, int]:
+        """Stage one chunk in host slot `slot` and queue its GPU work (encoder graph, tail, the copy of its
+        outputs to pinned host memory) without waiting for it; returns (host outputs, done event, kmax, kb)."""
         n = len(rows)
         total = sum(len(r.ids) for r in rows)
         Tb = self.bucket_for(total, n)
-        cu = self._stage(rows, Tb)
+        cuda = self.device.type == "cuda"
+        ints_host, tail_host = self._slots[slot]
+        if self._slot_done[slot] is not None:   # the chunk that last used this slot has read it
+            self._slot_done[slot].synchronize()
+        cu = self._stage(rows, Tb, ints_host)
         size = self._int_size(Tb)
-        self._ints[:size].copy_(self._ints_host[:size], non_blocking=True)
+        self._ints[:size].copy_(ints_host[:size], non_blocking=True)
         self._encoder(Tb)
         kmax = max((len(r.markers) for r in rows), default=0)
         nb = _pow2(n)
         kb = _pow2(kmax, 2)
         m = nb * (kb + 1)
         if kb <= self.K_max:
-            self._stage_tail(rows, cu, nb, kb, self._tail_host.numpy())
-            self._tail[:m].copy_(self._tail_host[:m], non_blocking=True)
+            self._stage_tail(rows, cu, nb, kb, tail_host.numpy())
+            self._tail[:m].copy_(tail_host[:m], non_blocking=True)
             res = self._tail_run(nb, kb)
         else:  # more markers than any tail graph holds: run the (small) tail eagerly
             st = np.empty(m, dtype=np.int32)
             self._stage_tail(rows, cu, nb, kb, st)
             self.stats.eager_tails += 1
             res = self._tail_body(nb, kb, torch.from_numpy(st).to(self.device))
-        out = res[:n].cpu().numpy()
+        # res is a static buffer the next chunk's tail overwrites: copy it out now (stream order keeps the copy
+        # ahead of that overwrite)
+        out = torch.empty((n, res.shape[1]), dtype=res.dtype, pin_memory=cuda)
+        out.copy_(res[:n], non_blocking=cuda)
+        done = None
+        if cuda:
+            done = torch.cuda.Event()
+            done.record()
+        self._slot_done[slot] = done
         self.stats.chunks += 1
         self.stats.tokens += total
         self.stats.padded_tokens += Tb
-        return np.ascontiguousarray(out[:, :kmax]), np.ascontiguousarray(out[:, kb])
+        return out, done, kmax, kb
+
+    @staticmethod
+    def _collect(pending: tuple[torch.Tensor, Any, int, int]) -> tuple[np.ndarray, np.ndarray]:
+        out, done, kmax, kb = pending
+        if done is not None:
+            done.synchronize()
+        o = out.numpy()
+        return np.ascontiguousarray(o[:, :kmax]), np.ascontiguousarray(o[:, kb])
 
     def forward(self, rows: Sequence[Row]) -> tuple[np.ndarray, np.ndarray]:
         """Score rows: (logits [N, kmax] float32 with -1e4 past each row's k, P(action 0) [N] float32)."""
@@ -664,7 +690,10 @@ class FastForward:
         kmax = max(len(r.markers) for r in rows)
         with self._lock:
             self.stats.forwards += 1
-            parts = [self._run_chunk(c) for c in self._chunks(rows)]
+            # every chunk is queued before any is collected: while the GPU runs chunk k the host stages chunk
+            # k + 1 (two staging slots; a slot is refilled only after its previous chunk's GPU work is done)
+            pending = [self._launch_chunk(c, i % 2) for i, c in enumerate(self._chunks(rows))]
+            parts = [self._collect(p) for p in pending]
         logits = np.full((len(rows), kmax), -1e4, dtype=np.float32)
         pos = 0
         for lg, _ in parts:
