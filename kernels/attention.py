@@ -38,16 +38,11 @@ class AttnConfig:
     # register file). ws=False leaves the pipeline to cp.async/TMA in the same threads and lets several
     # blocks share an SM, so one block's softmax overlaps another's tensor-core work.
     ws: bool = True
-    # one_pass: on a windowed layer, each query tile takes its whole key span (bm + 2 * window keys, 192 at bm = 64)
-    # as one block: one QK^T, one plain softmax and one PV, instead of three key blocks with an online softmax
-    # (running max, rescaled sums). Full-attention layers keep the key loop. Needs guard (padding tiles skip it).
-    one_pass: bool = False
 
     def tag(self) -> str:
-        """A short text form, e.g. 64x64s1t128 (g suffix when guarded, n when not warp-specialised, w1 when windowed
-        layers take one pass)."""
-        return "%dx%ds%dt%d%s%s%s" % (self.bm, self.bn, self.stages, self.threads, "g" if self.guard else "",
-                                      "" if self.ws else "n", "w1" if self.one_pass else "")
+        """A short text form, e.g. 64x64s1t128 (g suffix when guarded, n when not warp-specialised)."""
+        return "%dx%ds%dt%d%s%s" % (self.bm, self.bn, self.stages, self.threads, "g" if self.guard else "",
+                                    "" if self.ws else "n")
 
 
 UNGUARDED = AttnConfig()
@@ -64,10 +59,14 @@ DEFAULT = AttnConfig(guard=True, ws=False)
 CANDIDATES = (UNGUARDED, AttnConfig(guard=True), WARP_SPECIALISED,
               AttnConfig(bm=128, bn=64, stages=2, threads=256, guard=True),
               AttnConfig(bm=128, bn=128, stages=2, threads=256, guard=True),
-              DEFAULT, AttnConfig(bn=128, guard=True, ws=False), AttnConfig(guard=True, ws=False, one_pass=True))
-# Measured and dropped (ninth session, H200): 128 query rows unspecialised (two warpgroups of 64 sharing each K/V
-# tile, so a sliding window reads 256 keys per 128 queries instead of 192 per 64): 24.6 ms a forward at bn=64 and
-# 37.6 at bn=128, against DEFAULT's 15.9 (two blocks an SM instead of four, and a longer tail per row).
+              DEFAULT, AttnConfig(bn=128, guard=True, ws=False))
+# Measured and dropped (ninth session, H200):
+# - a windowed layer's query tile taking its 192 keys as one block (one QK^T, a plain softmax, one PV; 188 registers,
+#   so two blocks an SM): window 0.557 ms against 0.477 for DEFAULT's three-block loop at four blocks an SM
+#   (bench/results/fast_path_h200_one_pass.json);
+# - 128 query rows unspecialised (two warpgroups of 64 sharing each K/V tile, so a sliding window reads 256 keys per
+#   128 queries instead of 192 per 64): 24.6 ms a forward at bn=64 and 37.6 at bn=128, against DEFAULT's 15.9 (two
+#   blocks an SM instead of four, and a longer tail per row).
 
 
 def tile_table(lengths, bm: int, capacity: int | None = None, empty_row: int | None = None) -> np.ndarray:
@@ -129,10 +128,6 @@ def attention_dense(qkv: torch.Tensor, tok_row: torch.Tensor, pos: torch.Tensor,
 def build_attention(heads: int, window: int = 0, cfg: AttnConfig = DEFAULT, dtype: str = "bfloat16"):
     """The PrimFunc main(QKV[Ttok,3H*64] dtype, Cu[NC] i32, Tiles[NT,2] i32, O[Ttok,H*64] dtype); dtype bfloat16
     or float16 (the probabilities enter the second product in it too)."""
-    if cfg.one_pass and not cfg.guard:
-        raise ValueError("one_pass attention needs guard=True (a padding tile must skip its single block)")
-    if cfg.one_pass and window > 0:
-        return _build_window_one_pass(heads, window, cfg, dtype)
     _, T = _tl.tl()
     bm, bn = cfg.bm, cfg.bn
     Ttok = T.dynamic("Ttok")
@@ -214,68 +209,6 @@ def build_attention(heads: int, window: int = 0, cfg: AttnConfig = DEFAULT, dtyp
             for i, j in T.Parallel(bm, D):
                 if q0 + i < L:
                     Out[start + q0 + i, bh * D + j] = O_s[i, j]
-
-    return main
-
-
-def _build_window_one_pass(heads: int, window: int, cfg: AttnConfig, dtype: str):
-    """Windowed attention, one key block per query tile: the bm + 2 * window keys from q0 - window (clamped at the
-    buffer start; keys of a neighbouring row or past the row are masked), a plain softmax, one PV product."""
-    _, T = _tl.tl()
-    bm = cfg.bm
-    KW = bm + 2 * window
-    if KW % 16 or KW > 256:
-        raise ValueError("one_pass needs bm + 2 * window a multiple of 16 and at most 256, got %d" % KW)
-    Ttok = T.dynamic("Ttok")
-    NC = T.dynamic("NC")
-    NT = T.dynamic("NT")
-    D = HEAD_DIM
-    HD = heads * D
-    scale = D ** -0.5 * LOG2E
-    DT, F32, I32 = dtype, _tl.F32, _tl.I32
-
-    @T.prim_func
-    def main(QKV: T.Tensor((Ttok, 3 * HD), DT), Cu: T.Tensor((NC,), I32), Tiles: T.Tensor((NT, 2), I32),
-             Out: T.Tensor((Ttok, HD), DT)):
-        with T.Kernel(NT, heads, threads=cfg.threads) as (bt, bh):
-            Q_s = T.alloc_shared((bm, D), DT)
-            K_s = T.alloc_shared((KW, D), DT)
-            V_s = T.alloc_shared((KW, D), DT)
-            O_s = T.alloc_shared((bm, D), DT)
-            s = T.alloc_fragment((bm, KW), F32)
-            s_c = T.alloc_fragment((bm, KW), DT)
-            acc = T.alloc_fragment((bm, D), F32)
-            m = T.alloc_fragment((bm,), F32)
-            lsum = T.alloc_fragment((bm,), F32)
-
-            row = Tiles[bt, 0]
-            q0 = Tiles[bt, 1]
-            start = Cu[row]
-            L = Cu[row + 1] - start
-            if q0 < L:
-                k0 = T.max(start + q0 - window, 0)   # token index of the block's first key
-                T.copy(QKV[start + q0, bh * D], Q_s)
-                T.copy(QKV[k0, HD + bh * D], K_s)
-                T.copy(QKV[k0, 2 * HD + bh * D], V_s)
-                T.clear(s)
-                T.gemm(Q_s, K_s, s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-                for i, j in T.Parallel(bm, KW):
-                    s[i, j] = T.if_then_else(
-                        (k0 + j >= start) & (k0 + j < start + L) & (start + q0 + i - k0 - j <= window)
-                        & (k0 + j - start - q0 - i <= window), s[i, j] * scale, NEG)
-                T.reduce_max(s, m, dim=1)
-                for i, j in T.Parallel(bm, KW):
-                    s[i, j] = T.exp2(s[i, j] - m[i])
-                T.reduce_sum(s, lsum, dim=1)
-                T.copy(s, s_c)
-                T.clear(acc)
-                T.gemm(s_c, V_s, acc, policy=T.GemmWarpPolicy.FullRow)
-                for i, j in T.Parallel(bm, D):
-                    acc[i, j] = acc[i, j] / T.max(lsum[i], 1e-30)
-                T.copy(acc, O_s)
-                for i, j in T.Parallel(bm, D):
-                    if q0 + i < L:
-                        Out[start + q0 + i, bh * D + j] = O_s[i, j]
 
     return main
 

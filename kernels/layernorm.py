@@ -37,9 +37,10 @@ def default_config(D: int) -> LNConfig:
     the threads (float4 chunks, a power-of-two thread count per row for the all-reduce) only when D / 4 is a
     multiple of the thread count; otherwise every thread holds whole rows (D floats each, spilled to local
     memory: about 100x slower; seen at D = 768, mmBERT-base, on an H200). So: threads = the largest power of
-    two (32..128) dividing D / 4, and bm rows so that a thread holds about 32 floats of x (4 x 128 at 1024)."""
+    two (32..64) dividing D / 4, and bm rows so that a thread holds about 32 floats of x (2 x 64 at 1024: 4.02-4.05
+    TB/s against 3.95-3.97 for 4 x 128 in three sweeps on H200s, bench/fast_path.py's add_ln section)."""
     chunks = max(1, D // 4)
-    threads = 128
+    threads = 64
     while threads > 32 and chunks % threads:
         threads //= 2
     bm = 1

@@ -45,6 +45,9 @@ SWEEP_GEGLU = (
     _geglu.GegluConfig(bm=128, bn=128, bk=64, stages=3, threads=256, persistent=132),
     _geglu.GegluConfig(bm=128, bn=128, bk=64, stages=4, threads=256, persistent=132),
     _geglu.GegluConfig(bm=128, bn=128, bk=64, stages=3, threads=256, ws=False),
+    # 256 rows x 64 columns of each half: the same 256-wide accumulator pair, the A tile read once for twice the rows
+    _geglu.GegluConfig(bm=256, bn=64, bk=64, stages=3, threads=256),
+    _geglu.GegluConfig(bm=256, bn=64, bk=64, stages=4, threads=256),
 )
 
 

@@ -156,21 +156,6 @@ def test_attention_without_warp_specialisation_compiles_for_hopper(monkeypatch, 
 
 
 @needs_tilelang
-def test_one_pass_window_attention_compiles_for_hopper(monkeypatch):
-    """one_pass: a windowed layer's query tile takes its 192 keys as one wgmma block (no key loop); a full layer
-    keeps the loop; without guard it is refused (a padding tile would run its block)."""
-    monkeypatch.setenv("LAYA_FLEET_TL_ARCH", "sm_90a")
-    cfg = next(c for c in attention.CANDIDATES if c.one_pass)
-    assert cfg.tag() == "64x64s1t128gnw1"
-    win = attention.attention_kernel(16, 64, cfg).get_kernel_source()
-    assert "64, 192, 16" in win and "for (int kb" not in win
-    full = attention.attention_kernel(16, 0, cfg).get_kernel_source()
-    assert "64, 64, 16" in full and "64, 192, 16" not in full
-    with pytest.raises(ValueError, match="guard"):
-        attention.build_attention(16, 64, attention.AttnConfig(one_pass=True))
-
-
-@needs_tilelang
 def test_persistent_and_rope_fused_gemms_compile_for_hopper(monkeypatch):
     """A persistent GEMM launches one block per SM (a fixed grid) that loops over the tiles; the RoPE-fused Wqkv
     GEMM takes positions and tables, rotates Q/K tiles in shared memory and stores every tile through TMA (no
