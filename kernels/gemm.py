@@ -31,9 +31,10 @@ class GemmConfig:
     # TMA producer loads the next tile while the consumers run this tile's epilogue (a sweep candidate: no
     # gain on the H200 for this model's GEMMs, BENCHMARKS.md eighth session)
     persistent: int = 0
-    # ws=False: no producer warpgroup (TileLang's warp specialisation off); the same threads issue the TMA loads
-    # of a software pipeline, so a block needs far fewer registers and two can share an SM, one's epilogue and
-    # pipeline fill overlapping the other's main loop (what won for attention, kernels/attention.py)
+    # ws=False: no producer warpgroup (TileLang's warp specialisation off); the same threads issue the cp.async
+    # loads of a software pipeline, so a block needs far fewer registers (96 at 128x128x64) and two share an SM, one's
+    # epilogue overlapping the other's main loop (what won for attention). A sweep candidate: 480-530 TF/s against
+    # 580-680 warp-specialised on the H200 (ninth session)
     ws: bool = True
 
     def tag(self) -> str:
