@@ -566,11 +566,12 @@ class FastForward:
             if r.qtype not in (0, 1, 2):
                 raise ValueError("row %d has question type %r (expected 0, 1 or 2)" % (i, r.qtype))
 
-    def _chunks(self, rows: Sequence[Row]) -> list[Sequence[Row]]:
+    def _chunks(self, rows: Sequence[Row], max_tokens: int | None = None) -> list[Sequence[Row]]:
+        cap = self.T_max if max_tokens is None else max(1, min(self.T_max, int(max_tokens)))
         out, start, total = [], 0, 0
         for i, r in enumerate(rows):
             n = len(r.ids)
-            if i > start and (total + n > self.T_max or i - start >= self.R_max):
+            if i > start and (total + n > cap or i - start >= self.R_max):
                 out.append(rows[start:i])
                 start, total = i, 0
             total += n
@@ -681,8 +682,9 @@ class FastForward:
         o = out.numpy()
         return np.ascontiguousarray(o[:, :kmax]), np.ascontiguousarray(o[:, kb])
 
-    def forward(self, rows: Sequence[Row]) -> tuple[np.ndarray, np.ndarray]:
-        """Score rows: (logits [N, kmax] float32 with -1e4 past each row's k, P(action 0) [N] float32)."""
+    def forward(self, rows: Sequence[Row], max_chunk_tokens: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Score rows: (logits [N, kmax] float32 with -1e4 past each row's k, P(action 0) [N] float32). Rows are cut
+        into chunks of at most min(T_max, max_chunk_tokens) tokens (a longer row is a chunk of its own)."""
         rows = list(rows)
         if not rows:
             return np.zeros((0, 0), np.float32), np.zeros((0,), np.float32)
@@ -692,7 +694,7 @@ class FastForward:
             self.stats.forwards += 1
             # every chunk is queued before any is collected: while the GPU runs chunk k the host stages chunk
             # k + 1 (two staging slots; a slot is refilled only after its previous chunk's GPU work is done)
-            pending = [self._launch_chunk(c, i % 2) for i, c in enumerate(self._chunks(rows))]
+            pending = [self._launch_chunk(c, i % 2) for i, c in enumerate(self._chunks(rows, max_chunk_tokens))]
             parts = [self._collect(p) for p in pending]
         logits = np.full((len(rows), kmax), -1e4, dtype=np.float32)
         pos = 0
@@ -756,13 +758,21 @@ class FastBackend:
         self.device = engine.device
         self.max_tokens_per_row = engine.max_len
 
-    def forward(self, rows: Sequence[Row]) -> tuple[np.ndarray, np.ndarray]:
-        """Score rows (see `Backend.forward`)."""
-        return self.engine.forward(rows)
+    def forward(self, rows: Sequence[Row], max_chunk_tokens: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Score rows (see `Backend.forward`), in chunks of at most max_chunk_tokens tokens (default: the largest
+        bucket), queued back to back."""
+        return self.engine.forward(rows, max_chunk_tokens)
 
     def warmup(self, max_batch_tokens: int | None = None) -> float:
         """Capture every graph for batches up to max_batch_tokens tokens; returns seconds spent."""
         return self.engine.warmup(max_batch_tokens)
+
+    @property
+    def chunk_tokens(self) -> int:
+        """The most tokens one chunk holds (the largest bucket): a forward of more rows is cut into chunks of at
+        most this many (or `max_chunk_tokens`), queued back to back (the host stages chunk k + 1 while the GPU
+        runs chunk k)."""
+        return self.engine.T_max
 
     @property
     def stats(self) -> FastStats:

@@ -221,6 +221,9 @@ class Scorer:
         logits = np.full((n, kmax), -1e4, dtype=np.float32)
         act = np.zeros(n, dtype=np.float32)
         pending = plan([len(r) for r in rows], self.budget, self.packed, self.max_batch_rows)
+        chunking = getattr(self.engine.backend, "chunk_tokens", None) is not None
+        if len(pending) > 1 and chunking and self._score_in_one_call(rows, pending, logits, act):
+            return logits, act
         while pending:
             idx = pending.pop(0)
             sub = [rows[i] for i in idx]
@@ -251,6 +254,34 @@ class Scorer:
             logits[idx, :lg.shape[1]] = lg[:, :kmax]
             act[idx] = ap
         return logits, act
+
+    def _score_in_one_call(self, rows: list[Row], pending: list[list[int]], logits: np.ndarray,
+                           act: np.ndarray) -> bool:
+        """Every micro-batch in one call of a backend that cuts its own chunks (at most the budget each) and
+        pipelines them: the fast backend stages chunk k + 1 on the host while the GPU runs chunk k, where one call
+        a micro-batch leaves the GPU idle while each is staged and read back. Fills logits / act in input order
+        and returns True; False after an out-of-memory error (the caller then goes micro-batch by micro-batch,
+        halving the budget as usual)."""
+        order = [i for b in pending for i in b]
+        t = time.perf_counter()
+        try:
+            lg, ap = self.engine.backend.forward([rows[i] for i in order], max_chunk_tokens=self.budget)
+        except Exception as e:
+            if not is_oom(e):
+                raise
+            self._release_memory()
+            return False
+        self.stats.forward_s += time.perf_counter() - t
+        self.stats.batches += len(pending)
+        for b in pending:
+            lengths = [len(rows[i]) for i in b]
+            self.stats.rows += len(b)
+            self.stats.tokens += sum(lengths)
+            self.stats.padded_tokens += len(b) * max(lengths)
+        kmax = logits.shape[1]
+        logits[order, :lg.shape[1]] = lg[:, :kmax]
+        act[order] = ap
+        return True
 
     def _release_memory(self) -> None:
         try:

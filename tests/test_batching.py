@@ -82,6 +82,35 @@ def test_scorer_matches_engine_and_survives_oom(tiny_checkpoint, engine):
     scorer.close()
 
 
+def test_scorer_gives_a_chunking_backend_every_micro_batch_in_one_call(tiny_checkpoint, engine):
+    """The fast backend (its torch ops here) cuts its own chunks and pipelines them: the scorer hands it all of a
+    call's micro-batches at once (one forward, several chunks), with the answers of scoring each row alone."""
+    scorer = Scorer(tiny_checkpoint, backend="fast", device="cpu", max_batch_tokens=2048,
+                    backend_options={"ops": "torch", "max_batch_tokens": 2048})
+    be = scorer.engine.backend
+    assert be.chunk_tokens == scorer.budget
+    states, qs = cases(40, seed=5)[10]
+    p = scorer.engine.prepare(qs)
+    rows = [r for e in scorer.engine.encode_many(states * 7, p) for r in e.rows]
+    assert sum(len(r) for r in rows) > 3 * scorer.budget
+    f0, c0 = be.stats.forwards, be.stats.chunks
+    logits, act = scorer.score_rows(rows)
+    assert be.stats.forwards - f0 == 1 and be.stats.chunks - c0 >= 3
+    assert scorer.stats.batches >= 3 and scorer.stats.rows == len(rows)
+    for i in range(0, len(rows), 7):
+        lg, a = engine.score([rows[i]])   # eager fp32, one row
+        np.testing.assert_allclose(logits[i, :lg.shape[1]], lg[0], atol=2e-4, rtol=1e-4)
+        assert (logits[i, lg.shape[1]:] == -1e4).all() and abs(act[i] - a[0]) < 1e-4
+    scorer.set_budget(1024)   # below the backend's largest bucket: still one call, every chunk within the budget
+    f0, c0, p0 = be.stats.forwards, be.stats.chunks, be.stats.padded_tokens
+    logits2, act2 = scorer.score_rows(rows)
+    assert be.stats.forwards - f0 == 1 and be.stats.chunks - c0 >= 6
+    assert be.stats.padded_tokens - p0 <= 1024 * (be.stats.chunks - c0)
+    np.testing.assert_allclose(logits2, logits, atol=2e-4, rtol=1e-4)
+    np.testing.assert_allclose(act2, act, atol=1e-4)
+    scorer.close()
+
+
 def test_single_row_that_never_fits_raises_instead_of_looping(tiny_checkpoint, engine):
     scorer = Scorer(tiny_checkpoint, backend="eager", device="cpu", max_batch_tokens=4096)
     scorer.engine.backend = _OOMAbove(scorer.engine.backend, limit=1)
