@@ -28,6 +28,9 @@ log = logging.getLogger(__name__)
 DEFAULT_CPU_BUDGET = 8192
 MIN_BUDGET = 64
 BUDGET_CANDIDATES = (4096, 8192, 16384, 32768, 65536, 131072)
+# A backend that cuts its own chunks (fast) gets all of a call's micro-batches in one forward
+# (Scorer._score_in_one_call); LAYA_FLEET_ONE_CALL_CHUNKS=0 goes back to one forward a micro-batch.
+ONE_CALL = os.environ.get("LAYA_FLEET_ONE_CALL_CHUNKS", "1") != "0"
 
 
 def pick_budget(measured: list[tuple[int, float]], fallback: int, within: float = 0.05) -> int:
@@ -221,7 +224,7 @@ class Scorer:
         logits = np.full((n, kmax), -1e4, dtype=np.float32)
         act = np.zeros(n, dtype=np.float32)
         pending = plan([len(r) for r in rows], self.budget, self.packed, self.max_batch_rows)
-        chunking = getattr(self.engine.backend, "chunk_tokens", None) is not None
+        chunking = getattr(self.engine.backend, "chunk_tokens", None) is not None and ONE_CALL
         if len(pending) > 1 and chunking and self._score_in_one_call(rows, pending, logits, act):
             return logits, act
         while pending:
