@@ -224,7 +224,10 @@ class Scorer:
         logits = np.full((n, kmax), -1e4, dtype=np.float32)
         act = np.zeros(n, dtype=np.float32)
         pending = plan([len(r) for r in rows], self.budget, self.packed, self.max_batch_rows)
-        chunking = getattr(self.engine.backend, "chunk_tokens", None) is not None and ONE_CALL
+        # a row cap (max_batch_rows) binds micro-batches only: the backend's chunks count tokens, so under a cap
+        # each micro-batch keeps its own call
+        chunking = (getattr(self.engine.backend, "chunk_tokens", None) is not None and ONE_CALL
+                    and not self.max_batch_rows)
         if len(pending) > 1 and chunking and self._score_in_one_call(rows, pending, logits, act):
             return logits, act
         while pending:

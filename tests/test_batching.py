@@ -108,6 +108,11 @@ def test_scorer_gives_a_chunking_backend_every_micro_batch_in_one_call(tiny_chec
     assert be.stats.padded_tokens - p0 <= 1024 * (be.stats.chunks - c0)
     np.testing.assert_allclose(logits2, logits, atol=2e-4, rtol=1e-4)
     np.testing.assert_allclose(act2, act, atol=1e-4)
+    scorer.max_batch_rows = 5   # a row cap: one call a micro-batch, each within it
+    f0 = be.stats.forwards
+    logits3, _ = scorer.score_rows(rows)
+    assert be.stats.forwards - f0 >= len(rows) // 5
+    np.testing.assert_allclose(logits3, logits, atol=2e-4, rtol=1e-4)
     scorer.close()
 
 
