@@ -1,9 +1,10 @@
 """Where the 10 x 3 workload's tokenising time goes on this host: `Engine.encode_many` for 10 states of 700 words,
 timed before CUDA is touched, after a CUDA matmul, after a CPU torch op (torch's OpenMP pool awake) and with
-torch's CPU threads set to 1; plus the tokenizer's batch call alone and one text alone. Prints a table last and
-writes JSON.
+torch's CPU threads set to 1; plus the tokenizer's batch call alone and one text alone. Prints a table last,
+writes JSON and draws a bar chart next to it.
 
     python3 bench/tokenize_probe.py [--ckpt DIR] [--out results.json]
+    python3 bench/tokenize_probe.py --replot results.json     # the chart again from a saved run
 """
 
 import argparse
@@ -31,13 +32,37 @@ def med_ms(fn, n: int = 30, pre=None) -> float:
     return 1e3 * sorted(ts)[n // 2]
 
 
+def plot(res: dict, path: str) -> bool:
+    """A horizontal bar per measurement (ms); False when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    names, ms = list(res["ms"]), list(res["ms"].values())
+    fig, ax = plt.subplots(figsize=(8, 0.5 * len(names) + 1))
+    ax.barh(names[::-1], ms[::-1])
+    ax.set_xlabel("ms (median)")
+    ax.set_title("10 states x 700 words (%d tokens), %d CPUs" % (res["tokens"], res["cpus"]), fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
 def main(argv=None) -> int:
     """CLI entry point; returns the exit status."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ckpt", default="/tmp/ck_tok_probe")
     ap.add_argument("--shape", default="tiny")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--replot", default=None, help="draw the chart of a saved JSON and exit")
     a = ap.parse_args(argv)
+    if a.replot:
+        with open(a.replot, encoding="utf-8") as fh:
+            return 0 if plot(json.load(fh), os.path.splitext(a.replot)[0] + ".png") else 1
     from fast_path import Q3, text
 
     import model
@@ -78,6 +103,7 @@ def main(argv=None) -> int:
     if a.out:
         with open(a.out, "w", encoding="utf-8") as fh:
             json.dump(res, fh, indent=1)
+        plot(res, os.path.splitext(a.out)[0] + ".png")
     print("%d CPUs, %d state tokens" % (res["cpus"], res["tokens"]))
     for k, v in rows.items():
         print("%-52s %7.3f ms" % (k, v))
