@@ -567,7 +567,10 @@ class FastForward:
                 raise ValueError("row %d has question type %r (expected 0, 1 or 2)" % (i, r.qtype))
 
     def _chunks(self, rows: Sequence[Row], max_tokens: int | None = None) -> list[Sequence[Row]]:
-        cap = self.T_max if max_tokens is None else max(1, min(self.T_max, int(max_tokens)))
+        if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
+                                       or max_tokens < 1):
+            raise ValueError("max_chunk_tokens must be a positive integer, got %r" % (max_tokens,))
+        cap = self.T_max if max_tokens is None else min(self.T_max, max_tokens)
         out, start, total = [], 0, 0
         for i, r in enumerate(rows):
             n = len(r.ids)

@@ -253,10 +253,7 @@ class Scorer:
                 pending[:0] = [[idx[j] for j in b] for b in plan(lengths, budget, self.packed, self.max_batch_rows)]
                 continue
             self.stats.forward_s += time.perf_counter() - t
-            self.stats.batches += 1
-            self.stats.rows += len(sub)
-            self.stats.tokens += sum(lengths)
-            self.stats.padded_tokens += len(sub) * max(lengths)
+            self._count(lengths)
             logits[idx, :lg.shape[1]] = lg[:, :kmax]
             act[idx] = ap
         return logits, act
@@ -278,16 +275,19 @@ class Scorer:
             self._release_memory()
             return False
         self.stats.forward_s += time.perf_counter() - t
-        self.stats.batches += len(pending)
         for b in pending:
-            lengths = [len(rows[i]) for i in b]
-            self.stats.rows += len(b)
-            self.stats.tokens += sum(lengths)
-            self.stats.padded_tokens += len(b) * max(lengths)
+            self._count([len(rows[i]) for i in b])
         kmax = logits.shape[1]
         logits[order, :lg.shape[1]] = lg[:, :kmax]
         act[order] = ap
         return True
+
+    def _count(self, lengths: list[int]) -> None:
+        """Add one scored micro-batch of rows of these lengths to the counters."""
+        self.stats.batches += 1
+        self.stats.rows += len(lengths)
+        self.stats.tokens += sum(lengths)
+        self.stats.padded_tokens += len(lengths) * max(lengths)
 
     def _release_memory(self) -> None:
         try:

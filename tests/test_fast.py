@@ -54,6 +54,18 @@ def test_packed_forward_in_half_precision_stays_near_fp32(engine, bundle, rows, 
         assert dp < dp_bf, (dp, dp_bf)
 
 
+def test_max_chunk_tokens_cuts_chunks_and_a_bad_value_names_it(engine, bundle, rows):
+    fast = make_backend(load_model(bundle), bundle, torch.device("cpu"), ops="torch", max_batch_tokens=4096)
+    c0 = fast.stats.chunks
+    lg, p = fast.forward(rows, max_chunk_tokens=300)
+    assert fast.stats.chunks - c0 >= sum(len(r) for r in rows) // 300
+    l_ref, p_ref = engine.backend.forward(rows)
+    np.testing.assert_allclose(lg, l_ref, atol=2e-4, rtol=1e-4)
+    for bad in (0, -5, 2.5, "512", True):
+        with pytest.raises(ValueError, match="max_chunk_tokens"):
+            fast.forward(rows, max_chunk_tokens=bad)
+
+
 def test_a_bad_activation_dtype_names_the_option(bundle):
     with pytest.raises(ValueError, match="act_dtype='fp8'"):
         make_backend(load_model(bundle), bundle, torch.device("cpu"), ops="torch", act_dtype="fp8")
