@@ -7,6 +7,9 @@ question set; the state is tokenized once and shared by every question of the re
 
 from __future__ import annotations
 
+import json
+import logging
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +20,81 @@ OPTION_TOKEN_CAP = 48      # tokens kept per option text (after its [MASK])
 MIN_OPTION_BUDGET = 16     # below this many spare head tokens, options are cut evenly
 MIN_PER_OPTION = 4         # ... but never below this many tokens each ([MASK] included)
 MIN_INSTRUCTION_TOKENS = 8
+# Long state texts are tokenized in pieces, cut only at a single space between two letters or digits, all pieces
+# of a call in one parallel batch: the ids are the same (see `piece_safe`), and one long text no longer runs on
+# one core (a 700-word state took 1.55 ms on one core of the H200 host). A call of few texts on many cores is cut
+# into about 4 pieces a core, never under PIECE_CHARS characters; a call of at least 2 texts a core, or on one
+# core, is not cut. LAYA_FLEET_TOKENIZE_PIECES=0 turns it off.
+PIECE_CHARS = 512
+
+log = logging.getLogger(__name__)
+
+# Normalizers and pre-tokenizers that act on each character, or split at every space, so that cutting a text at
+# one space between two non-space characters cannot change a token: the space already begins a new pre-token
+# (byte-level BPE's regex never puts a space after a non-space character in one pre-token; the others split there).
+_SAFE_NORMALIZERS = {"NFC", "NFD", "NFKC", "NFKD", "Lowercase", "BertNormalizer", "StripAccents"}
+_SAFE_PRE_TOKENIZERS = {"ByteLevel", "BertPreTokenizer", "Whitespace", "WhitespaceSplit", "Punctuation", "Digits"}
+_SELF_CHECK = ("The quick brown fox's 12 jumps, 3.5 times: over the lazy dog!  Twice  spaced. "
+               "Caf\u00e9 na\u00efve \u00fcber 2024-11-30 \u4e2d\u6587 tab\there x1 y2 end's last")
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _parts_ok(spec: Any, safe: set[str]) -> bool:
+    if spec is None:
+        return True
+    if spec.get("type") == "Sequence":
+        inner = spec.get("normalizers") or spec.get("pretokenizers") or []
+        return all(_parts_ok(x, safe) for x in inner)
+    if spec.get("type") == "ByteLevel" and spec.get("use_regex") is False:
+        return False   # no split at spaces: BPE merges may span them
+    return spec.get("type") in safe
+
+
+def piece_safe(tokenizer_json: str) -> tuple[bool, str]:
+    """(True, "") when a tokenizer (its JSON) gives the same ids for a text and for its pieces cut at single spaces
+    between letters or digits (`split_points`); else (False, why)."""
+    spec = json.loads(tokenizer_json)
+    if not _parts_ok(spec.get("normalizer"), _SAFE_NORMALIZERS):
+        return False, "normalizer %s" % (spec.get("normalizer") or {}).get("type")
+    if not _parts_ok(spec.get("pre_tokenizer"), _SAFE_PRE_TOKENIZERS):
+        return False, "pre-tokenizer %s" % (spec.get("pre_tokenizer") or {}).get("type")
+    for a in spec.get("added_tokens") or []:
+        # a token that swallows the whitespace after it, or spans one, can straddle a cut
+        if a.get("rstrip") or any(c.isspace() for c in a.get("content", "")):
+            return False, "added token %r" % a.get("content")
+    return True, ""
+
+
+def split_points(text: str, every: int) -> list[int]:
+    """Offsets of single spaces, about `every` characters apart, with a letter or digit on both sides (never within
+    `every` // 2 of the end)."""
+    cuts: list[int] = []
+    n = len(text)
+    pos = every
+    while pos < n - every // 2:
+        p = text.find(" ", pos)
+        while 0 < p < n - 1 and not (text[p - 1].isalnum() and text[p + 1].isalnum()):
+            p = text.find(" ", p + 1)
+        if p <= 0 or p >= min(n - 1, n - every // 2):
+            break
+        cuts.append(p)
+        pos = p + every
+    return cuts
+
+
+def split_text(text: str, every: int) -> list[str]:
+    """`text` cut at `split_points(text, every)` (the space starts the next piece); one piece when none."""
+    cuts = split_points(text, every)
+    if not cuts:
+        return [text]
+    bounds = [0] + cuts + [len(text)]
+    return [text[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
 @dataclass(frozen=True)
@@ -74,6 +152,8 @@ class SequenceBuilder:
         self._backend = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
         self._backend.no_truncation()
         self._backend.no_padding()
+        self.cores = _cores()
+        self.piece_chars = self._piece_chars()   # the shortest piece a long text is cut into; 0: never cut
         self.mask = tokenizer.mask_token
         self.cls_id = tokenizer.cls_token_id
         self.sep_id = tokenizer.sep_token_id
@@ -86,18 +166,65 @@ class SequenceBuilder:
     def _ids(self, text: str) -> list[int]:
         return self._backend.encode(text, add_special_tokens=False).ids
 
-    def _ids_many(self, texts: list[str]) -> list[list[int]]:
+    def _batch(self, texts: list[str]) -> list[list[int]]:
         # encode_batch_fast (tokenizers >= 0.20) skips character offsets, which nothing here reads: the same ids
         # in less time (about a quarter to a third less in an ad-hoc timing on the CPU machine)
         fast = getattr(self._backend, "encode_batch_fast", None) or self._backend.encode_batch
         return [e.ids for e in fast(texts, add_special_tokens=False)]
+
+    def _piece_chars(self) -> int:
+        """PIECE_CHARS when long states may be tokenized in pieces here, else 0 (off, one core, or a tokenizer
+        whose ids could change at a cut: checked from its spec, then on a sample text)."""
+        if os.environ.get("LAYA_FLEET_TOKENIZE_PIECES", "1") == "0" or self.cores < 2:
+            return 0
+        ok, why = piece_safe(self._backend.to_str())
+        if ok:
+            whole = self._ids(_SELF_CHECK)
+            for every in (1, 3, 7, 16):
+                if [i for p in split_text(_SELF_CHECK, every) for i in self._ids(p)] != whole:
+                    ok, why = False, "a sample text tokenized differently in pieces of %d characters" % every
+                    break
+        if not ok:
+            log.info("tokenizing long states whole (%s)", why)
+            return 0
+        return PIECE_CHARS
+
+    def piece_length(self, texts: Sequence[str]) -> int:
+        """How many characters apart `texts` are cut for tokenizing (0: not cut): about 4 pieces a core over the
+        long texts, none shorter than piece_chars."""
+        if not self.piece_chars or len(texts) >= 2 * self.cores:
+            return 0
+        total = sum(len(t) for t in texts if len(t) > 2 * self.piece_chars)
+        return max(self.piece_chars, total // (4 * self.cores)) if total else 0
+
+    def _ids_many(self, texts: list[str]) -> list[list[int]]:
+        """Ids of many texts in one parallel batch; long texts go in as pieces (`piece_length`)."""
+        every = self.piece_length(texts)
+        if not every:
+            return self._batch(texts)
+        pieces: list[str] = []
+        counts: list[int] = []
+        for t in texts:
+            parts = split_text(t, every) if len(t) > 2 * every else [t]
+            pieces.extend(parts)
+            counts.append(len(parts))
+        ids = self._batch(pieces)
+        out, k = [], 0
+        for c in counts:
+            if c == 1:
+                out.append(ids[k])
+            else:
+                out.append([i for part in ids[k:k + c] for i in part])
+            k += c
+        return out
 
     def _clean(self, text: str) -> str:
         return text.replace(self.mask, " ") if self.mask else text
 
     def state_ids(self, state: Any) -> list[int]:
         """Token ids of a whole state (untruncated)."""
-        return self._ids(self._clean(serialize_state(state)))
+        text = self._clean(serialize_state(state))
+        return self._ids_many([text])[0] if self.piece_length([text]) else self._ids(text)
 
     def states_ids(self, states: Sequence[Any]) -> list[list[int]]:
         """Token ids of many states at once (the tokenizer parallelises the batch)."""
