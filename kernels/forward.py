@@ -526,7 +526,11 @@ class FastForward:
         st = (self._ints_host if host is None else host).numpy()
         cu = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(lens, out=cu[1:])
-        st[0:total] = np.fromiter(itertools.chain.from_iterable(r.ids for r in rows), dtype=np.int32, count=total)
+        if all(r.arr is not None and len(r.arr) == len(r.ids) for r in rows):   # rows from SequenceBuilder
+            np.concatenate([r.arr for r in rows], out=st[0:total])
+        else:
+            st[0:total] = np.fromiter(itertools.chain.from_iterable(r.ids for r in rows), dtype=np.int32,
+                                      count=total)
         st[total:Tb] = self.pad_id
         starts = np.repeat(cu[:-1], lens)
         st[Tb:Tb + total] = np.arange(total) - starts

@@ -11,8 +11,10 @@ import json
 import logging
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from .questions import Question, serialize_state
 
@@ -115,9 +117,18 @@ class Row:
     ids: list[int]
     markers: list[int]
     qtype: int
+    # The same ids as int32, when SequenceBuilder made the row: a GPU backend stages it with one concatenate instead
+    # of converting every Python int (0.86 ms for the 10 x 3 call's 15360 tokens on the H200 host). Not pickled (a
+    # row sent to another process carries its ids once); None means "convert ids".
+    arr: np.ndarray | None = field(default=None, compare=False, repr=False)
 
     def __len__(self) -> int:
         return len(self.ids)
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["arr"] = None
+        return state
 
 
 @dataclass
@@ -265,10 +276,15 @@ class SequenceBuilder:
             state_ids = self.state_ids(state)
         left = isinstance(state, list)  # a conversation keeps its newest turns
         rows, dropped = [], []
+        n = len(state_ids)
+        sa = np.asarray(state_ids, dtype=np.int32)
+        sep = np.array([self.sep_id], dtype=np.int32)
         for q, h in zip(questions, heads):
             room = max(0, ml - len(h.ids) - 1)
-            st = state_ids[max(0, len(state_ids) - room):] if left else state_ids[:room]
+            lo, hi = (max(0, n - room), n) if left else (0, min(room, n))
+            st = state_ids[lo:hi]
             ids = (list(h.ids) + st + [self.sep_id])[:ml]
+            arr = np.concatenate((np.asarray(h.ids, dtype=np.int32), sa[lo:hi], sep))[:ml]
             markers = [m for m in h.markers if m < ml]
             if len(markers) != h.n_options:
                 raise ValueError(
@@ -276,6 +292,6 @@ class SequenceBuilder:
                     "head_max_len=%d spent on the question; lower head_max_len, raise max_len, or use "
                     "fewer options" % (q.qid, len(markers), h.n_options, ml,
                                        self.head_max_len if head_max_len is None else head_max_len))
-            rows.append(Row(ids, markers, q.type_id))
+            rows.append(Row(ids, markers, q.type_id, arr))
             dropped.append(len(state_ids) - len(st))
         return EncodedState(rows, len(state_ids), dropped)

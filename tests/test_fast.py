@@ -112,6 +112,30 @@ def test_bucket_choice(bundle):
         ff.bucket_for(5000, 1)
 
 
+def test_staging_from_row_arrays_equals_staging_from_id_lists(bundle, rows):
+    import dataclasses
+    import pickle
+
+    assert all(r.arr is not None and r.arr.tolist() == r.ids for r in rows)   # the builder's rows carry both
+    ff = FastForward(load_model(bundle), bundle, torch.device("cpu"), ops="torch", max_batch_tokens=4096)
+    part = rows[:20]
+    Tb = ff.bucket_for(sum(len(r) for r in part), len(part))
+    ff._stage(part, Tb)
+    want = ff._ints_host.clone()
+    plain = [dataclasses.replace(r, arr=None) for r in part]
+    for variant in (plain, pickle.loads(pickle.dumps(part)), part[:1] + plain[1:]):
+        assert all(r.arr is None for r in variant[1:])
+        ff._ints_host.fill_(-7)
+        ff._stage(variant, Tb)
+        assert torch.equal(ff._ints_host, want)
+    # an array that no longer matches its row's ids (ids edited after building) is not trusted
+    edited = [dataclasses.replace(part[0], ids=part[0].ids[:-1])] + part[1:]
+    assert len(edited[0].arr) == len(edited[0]) + 1
+    ff._stage(edited, ff.bucket_for(sum(len(r) for r in edited), len(edited)))
+    n = len(edited[0])
+    assert ff._ints_host[:n].tolist() == edited[0].ids
+
+
 def test_auto_falls_back_to_eager_without_cuda(tiny_checkpoint):
     import model
 
