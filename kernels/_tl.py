@@ -121,7 +121,7 @@ def index_path(name: str, tgt: dict, fast_math: bool) -> str:
     math, tilelang version and the kernel sources, so it travels with the kernels it points at."""
     import hashlib
 
-    from model.cache import code_fingerprint  # kernels/*.py: a changed builder never loads an old kernel
+    from model.cache import code_fingerprint  # the kernel builders: a changed builder never loads an old kernel
 
     tilelang, _ = tl()
     key = json.dumps([name, tgt, bool(fast_math), tilelang.__version__, code_fingerprint("kernels")],

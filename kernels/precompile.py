@@ -34,6 +34,10 @@ SWEEP_GEMM = (
     _gemm.GemmConfig(bm=128, bn=128, bk=128, stages=3, threads=256),
     _gemm.GemmConfig(bm=128, bn=128, bk=128, stages=3, threads=256, persistent=132),
     _gemm.GemmConfig(bm=128, bn=128, bk=64, stages=3, threads=256, ws=False),
+    # 192 rows, three consumer warpgroups: fewer partial waves where M / 256 tiles leave the last wave mostly empty
+    # (N = 1024 at 15360 tokens: 480 tiles of 256 x 128 = 3.6 waves of 132, 640 of 192 x 128 = 4.85)
+    _gemm.GemmConfig(bm=192, bn=128, bk=64, stages=4, threads=384),
+    _gemm.GemmConfig(bm=192, bn=128, bk=64, stages=3, threads=384),
 )
 # add+LayerNorm (bandwidth-bound: ~4.0 TB/s with the default at D = 1024 on the H200): rows and threads per block,
 # each keeping D / 4 a multiple of the threads (see layernorm.default_config)

@@ -165,7 +165,10 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Source files whose changes change what gets compiled (graphs, packages, kernels), per kind.
 CODE_FILES = {
     "model": ("model/network.py", "model/native.py", "model/bundle.py", "model/backends/compiled.py"),
-    "kernels": ("kernels/*.py",),
+    # the files whose code becomes kernel code (kernels/forward.py and precompile.py only choose and launch kernels,
+    # whose names carry every parameter and tile config, so editing them keeps every compiled kernel valid)
+    "kernels": ("kernels/_tl.py", "kernels/gemm.py", "kernels/geglu.py", "kernels/layernorm.py", "kernels/attention.py",
+                "kernels/rope.py"),
 }
 
 

@@ -285,3 +285,23 @@ def test_publish_logs_nothing_for_a_valid_artifact(tmp_path):
     finally:
         logging.getLogger("model.cache").removeHandler(handler)
     assert not records
+
+
+def test_the_kernels_fingerprint_covers_every_file_with_kernel_code():
+    """Every kernels/ file that builds TileLang code is hashed into the kernel cache key (a new kernel file left out
+    would let a changed kernel load its old build); files that only pick and launch kernels are not."""
+    import glob
+    import os
+
+    from model.cache import _REPO, CODE_FILES
+
+    hashed = {os.path.normpath(os.path.join(_REPO, f)) for pat in CODE_FILES["kernels"]
+              for f in glob.glob(os.path.join(_REPO, pat))}
+    builders = set()
+    for f in glob.glob(os.path.join(_REPO, "kernels", "*.py")):
+        with open(f, encoding="utf-8") as fh:
+            src = fh.read()
+        if "T.prim_func" in src or "tilelang.compile" in src or "T.Kernel" in src:
+            builders.add(os.path.normpath(f))
+    assert builders and builders <= hashed, sorted(builders - hashed)
+    assert not any(p.endswith(("forward.py", "precompile.py")) for p in hashed)
