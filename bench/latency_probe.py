@@ -102,6 +102,27 @@ def timeline(ff, rows, reps: int = 30) -> dict:
     return {"host_ms": cut(host), "gpu_ms": cut(gpu), "bucket": Tb, "tokens": total, "rows": n}
 
 
+def pipelined(eng, states, prep, first: int):
+    """predict_batch's work with the first `first` states' rows on the GPU while the rest are tokenized: two chunks
+    through FastForward's launch/collect (an experiment: the engine runs one chunk)."""
+    ff = eng.backend.engine
+    enc_a = eng.encode_many(states[:first], prep)
+    rows_a = [r for e in enc_a for r in e.rows]
+    ff._check(rows_a)
+    with ff._lock:
+        pa = ff._launch_chunk(rows_a, 0)
+        enc_b = eng.encode_many(states[first:], prep)
+        rows_b = [r for e in enc_b for r in e.rows]
+        ff._check(rows_b)
+        pb = ff._launch_chunk(rows_b, 1)
+        parts = [ff._collect(pa), ff._collect(pb)]
+    out = []
+    for encs, (lg, p0) in zip((enc_a, enc_b), parts):
+        for i, e in enumerate(encs):
+            out.append(eng.decode(prep, e, lg[3 * i:3 * i + 3], p0[3 * i:3 * i + 3]))
+    return out
+
+
 def plot(res: dict, path: str) -> bool:
     """Bars: the host steps of one forward, the GPU steps, and end to end with/without pieces; False without
     matplotlib."""
@@ -187,6 +208,23 @@ def main(argv=None) -> int:
     ids = b.states_ids(states)
     ms["rows from ids"] = med_ms(lambda: [eng.encode(s, prep, i) for s, i in zip(states, ids)])
     ms["backend.forward"] = med_ms(lambda: eng.backend.forward(rows))
+    # the GPU cost of cutting the 30 rows into chunks (pipelined: the host stages chunk k + 1 during chunk k)
+    if a.device == "cuda":
+        for cap in (12288, 7680, 4608):
+            ms["backend.forward, chunks of <= %d tokens" % cap] = med_ms(
+                lambda cap=cap: eng.backend.forward(rows, max_chunk_tokens=cap))
+        ref = eng.predict_batch(states, qs)
+        for first in (1, 2, 3, 5):
+            res.setdefault("pipelined_answers_equal", {})[first] = pipelined(eng, states, prep, first) == ref
+            ms["e2e, first %d states on the GPU while the rest tokenize" % first] = med_ms(
+                lambda first=first: pipelined(eng, states, prep, first))
+    one = b._clean(states[0])
+    for label, pc in (("whole", 0), ("pieces", pieces)):
+        b.piece_chars = pc
+        ms["tokenize 1 state (%s)" % label] = med_ms(lambda: b.state_ids(states[0]))
+        ms["predict 1 long state x 3 (%s)" % label] = med_ms(lambda: eng.predict(states[0], qs))
+    b.piece_chars = pieces
+    res["one_state_chars"] = len(one)
     logits, p0 = eng.backend.forward(rows)
     encs = eng.encode_many(states, prep)
     ms["decode 10 states"] = med_ms(lambda: [eng.decode(prep, e, logits[3 * i:3 * i + 3], p0[3 * i:3 * i + 3])

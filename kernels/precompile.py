@@ -34,11 +34,10 @@ SWEEP_GEMM = (
     _gemm.GemmConfig(bm=128, bn=128, bk=128, stages=3, threads=256),
     _gemm.GemmConfig(bm=128, bn=128, bk=128, stages=3, threads=256, persistent=132),
     _gemm.GemmConfig(bm=128, bn=128, bk=64, stages=3, threads=256, ws=False),
-    # 192 rows, three consumer warpgroups: fewer partial waves where M / 256 tiles leave the last wave mostly empty
-    # (N = 1024 at 15360 tokens: 480 tiles of 256 x 128 = 3.6 waves of 132, 640 of 192 x 128 = 4.85)
-    _gemm.GemmConfig(bm=192, bn=128, bk=64, stages=4, threads=384),
-    _gemm.GemmConfig(bm=192, bn=128, bk=64, stages=3, threads=384),
 )
+# Tried and dropped (tenth session, H200): 192 x 128 tiles with three consumer warpgroups, for fewer partial last
+# waves (N = 1024 at 15360 tokens: 480 tiles of 256 x 128 are 3.6 waves of 132 SMs, 640 of 192 x 128 are 4.85):
+# 568 against 560 TF/s for Wo at M = 15360, 2-6% slower than the 128 x 256 / 256 x 128 tiles everywhere else.
 # add+LayerNorm (bandwidth-bound: ~4.0 TB/s with the default at D = 1024 on the H200): rows and threads per block,
 # each keeping D / 4 a multiple of the threads (see layernorm.default_config)
 SWEEP_LN = (_ln.LNConfig(4, 128), _ln.LNConfig(2, 64), _ln.LNConfig(4, 64), _ln.LNConfig(8, 128),
