@@ -113,7 +113,7 @@ def section_gemm(res: dict, dims: dict, M: int) -> None:
 
     from kernels import geglu as G
     from kernels import gemm as K
-    from kernels.precompile import SWEEP_GEGLU, SWEEP_GEMM, SWEEP_ROPE_SPLIT, gemm_shapes
+    from kernels.precompile import SWEEP_GEGLU, SWEEP_GEMM, gemm_shapes
 
     d, inter, ffn, L, HL = dims["d"], dims["inter"], dims["ffn"], dims["layers"], dims["head_layers"]
     dev = "cuda"
@@ -159,20 +159,6 @@ def section_gemm(res: dict, dims: dict, M: int) -> None:
                                                      kr(a, w, zb, out, *r))
             except Exception as e:  # a config that does not compile or run is reported, not fatal
                 cands.append({"cfg": cfg.tag(), "error": "%s: %s" % (type(e).__name__, e)})
-        if name == "wqkv":   # RoPE in two half accumulators (weights reordered once at load): RoPE timing only
-            ws = K.split_weight(w, 2 * d)
-            zb = torch.zeros(N, device=dev)
-            for cfg in SWEEP_ROPE_SPLIT:
-                try:
-                    kr = K.gemm_kernel(N, Kd, False, "none", cfg, rope_cols=2 * d)
-                    out.fill_(float("nan"))
-                    kr(a, ws, zb, out, pos, cos, sin)
-                    cands.append({"cfg": cfg.tag(), "split": True,
-                                  "rope_rel_err": float((out.float() - ref_rope).norm() / ref_rope.norm()),
-                                  "rope_ms": bench_gpu(lambda kr=kr, a=a, ws=ws, out=out, zb=zb, r=(pos, cos, sin):
-                                                       kr(a, ws, zb, out, *r))})
-                except Exception as e:
-                    cands.append({"cfg": cfg.tag(), "split": True, "error": "%s: %s" % (type(e).__name__, e)})
         ok = [c for c in cands if "ms" in c and c["rel_err"] < 2e-2]
         best = min(ok, key=lambda c: c["ms"]) if ok else None
         ok_rope = [c for c in ok if c.get("rope_rel_err", 1.0) < 2e-2]

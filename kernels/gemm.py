@@ -36,20 +36,13 @@ class GemmConfig:
     # epilogue overlapping the other's main loop (what won for attention). A sweep candidate: 480-530 TF/s against
     # 580-680 warp-specialised on the H200 (ninth session)
     ws: bool = True
-    # split=True (a RoPE-fused Wqkv only): each 64-column head is computed as two 32-column halves in two
-    # accumulators (its first and second halves of rows of W, loaded as 32-row boxes), so the rotation pairs x[d] and
-    # x[d + 32] sit in one thread's registers and rotate there, before rounding; the tile then goes to shared memory
-    # in the original column order and out through TMA. Without it, the rounded tile is staged in shared memory,
-    # rotated into a second tile and stored (~16% of the GEMM on the H200).
-    split: bool = False
 
     def tag(self) -> str:
-        """A short text form, e.g. 128x256x64s3t256r (p132: persistent over 132 blocks; n: not warp-specialised;
-        h: RoPE in two halves)."""
+        """A short text form, e.g. 128x256x64s3t256r (p132: persistent over 132 blocks; n: not warp-specialised)."""
         pol = "r" if self.full_row else "q"
         pers = "p%d" % self.persistent if self.persistent else ""
-        return "%dx%dx%ds%dt%d%s%s%s%s" % (self.bm, self.bn, self.bk, self.stages, self.threads, pol, pers,
-                                           "" if self.ws else "n", "h" if self.split else "")
+        return "%dx%dx%ds%dt%d%s%s%s" % (self.bm, self.bn, self.bk, self.stages, self.threads, pol, pers,
+                                         "" if self.ws else "n")
 
 
 SMALL = GemmConfig(bm=64, bn=64, bk=128, stages=4, threads=128)
@@ -108,9 +101,6 @@ def build_gemm(N: int, K: int, bias: bool = False, act: str = "none", cfg: GemmC
         raise ValueError("block_N and block_K must be multiples of 16 (tilelang #2593, #2381)")
     if rope_cols and (cfg.bn % 64 or rope_cols % 64 or act != "none"):
         raise ValueError("a RoPE epilogue needs block_N and rope_cols multiples of 64 and no activation")
-    if cfg.split and (not rope_cols or cfg.persistent or N % cfg.bn or split_group(N, rope_cols, cfg.bn) % cfg.bn):
-        raise ValueError("split=True is the RoPE-fused Wqkv's layout: it needs rope_cols, no persistent grid and "
-                         "block_N dividing N and split_group(N, rope_cols)")
     _, T = _tl.tl()
     bm, bn, bk = cfg.bm, cfg.bn, cfg.bk
     M = T.dynamic("M")
@@ -149,52 +139,6 @@ def build_gemm(N: int, K: int, bias: bool = False, act: str = "none", cfg: GemmC
         else:
             T.copy(C_s, C[by * bm, bx * bn])
 
-    hb = bn // 2   # split: the columns of each half accumulator (bn // 64 heads x 32)
-    G = split_group(N, rope_cols, bn) if cfg.split else 0
-
-    @T.macro
-    def tile_split(A, W, Bias, C, A_s, W0_s, W1_s, C0, C1, C_s, bx, by, Pos, Cos, Sin):
-        # W is split_weight(W, G): in each group of G rows, the first halves (32 rows) of its G / 64 heads, then
-        # their second halves. This tile's original columns [bx*bn, bx*bn + bn) are the rows o.. of each half.
-        base = (bx * bn) // G * G
-        o = (bx * bn) % G // 2
-        T.clear(C0)
-        T.clear(C1)
-        for k in T.Pipelined(T.ceildiv(K, bk), num_stages=cfg.stages):
-            T.copy(A[by * bm, k * bk], A_s)
-            T.copy(W[base + o, k * bk], W0_s)
-            T.copy(W[base + G // 2 + o, k * bk], W1_s)
-            T.gemm(A_s, W0_s, C0, transpose_B=True, policy=policy)
-            T.gemm(A_s, W1_s, C1, transpose_B=True, policy=policy)
-        if bx * bn < rope_cols:
-            for i, j in T.Parallel(bm, hb):
-                p = Pos[T.min(by * bm + i, M - 1)]   # rows past M are never stored
-                c0 = bx * bn + (j // 32) * 64 + j % 32
-                x0 = C0[i, j] + Bias[c0]
-                x1 = C1[i, j] + Bias[c0 + 32]
-                C0[i, j] = x0 * Cos[p, j % 32] - x1 * Sin[p, j % 32]
-                C1[i, j] = x1 * Cos[p, j % 32] + x0 * Sin[p, j % 32]
-        else:
-            for i, j in T.Parallel(bm, hb):
-                c0 = bx * bn + (j // 32) * 64 + j % 32
-                C0[i, j] = C0[i, j] + Bias[c0]
-                C1[i, j] = C1[i, j] + Bias[c0 + 32]
-        for i, j in T.Parallel(bm, hb):
-            C_s[i, (j // 32) * 64 + j % 32] = T.Cast(out_dtype, C0[i, j])
-            C_s[i, (j // 32) * 64 + 32 + j % 32] = T.Cast(out_dtype, C1[i, j])
-        T.copy(C_s, C[by * bm, bx * bn])
-
-    @T.macro
-    def launch_split(A, W, Bias, C, Pos, Cos, Sin):
-        with T.Kernel(T.ceildiv(N, bn), T.ceildiv(M, bm), threads=cfg.threads) as (bx, by):
-            A_s = T.alloc_shared((bm, bk), IN)
-            W0_s = T.alloc_shared((hb, bk), IN)
-            W1_s = T.alloc_shared((hb, bk), IN)
-            C0 = T.alloc_fragment((bm, hb), F32)
-            C1 = T.alloc_fragment((bm, hb), F32)
-            C_s = T.alloc_shared((bm, bn), out_dtype)
-            tile_split(A, W, Bias, C, A_s, W0_s, W1_s, C0, C1, C_s, bx, by, Pos, Cos, Sin)
-
     @T.macro
     def launch(A, W, Bias, C, Pos, Cos, Sin):
         # one block per output tile, or cfg.persistent blocks walking the tiles (T.Persistent)
@@ -213,14 +157,6 @@ def build_gemm(N: int, K: int, bias: bool = False, act: str = "none", cfg: GemmC
             else:
                 tile(A, W, Bias, C, A_s, W_s, C_l, C_s, C_r, ids[0], ids[1], Pos, Cos, Sin)
 
-    if cfg.split:
-        @T.prim_func
-        def main_split(A: T.Tensor((M, K), IN), W: T.Tensor((N, K), IN), Bias: T.Tensor((N,), F32),
-                       C: T.Tensor((M, N), out_dtype), Pos: T.Tensor((M,), I32),
-                       Cos: T.Tensor((P, 32), F32), Sin: T.Tensor((P, 32), F32)):
-            launch_split(A, W, Bias, C, Pos, Cos, Sin)
-        return main_split
-
     if rope_cols:
         @T.prim_func
         def main_rope(A: T.Tensor((M, K), IN), W: T.Tensor((N, K), IN), Bias: T.Tensor((N,), F32),
@@ -235,26 +171,6 @@ def build_gemm(N: int, K: int, bias: bool = False, act: str = "none", cfg: GemmC
         launch(A, W, Bias, C, None, None, None)
 
     return main
-
-
-SPLIT_GROUP = 256
-
-
-def split_group(N: int, rope_cols: int, bn: int = 64) -> int:
-    """The row group of split_weight for an N-row Wqkv rotating its first rope_cols rows: SPLIT_GROUP when N,
-    rope_cols and the tile width divide into it, else 64 (one head: the weight unchanged)."""
-    G = SPLIT_GROUP
-    return G if N % G == 0 and rope_cols % G == 0 and G % bn == 0 else 64
-
-
-def split_weight(w: torch.Tensor, rope_cols: int) -> torch.Tensor:
-    """Wqkv's rows as the split kernels read them: in each group of split_group() rows (whole heads of 64), the
-    first 32 rows of every head, then the last 32 (a copy; identity for 64-row groups)."""
-    N, K = w.shape
-    G = split_group(N, rope_cols)
-    if G == 64:
-        return w.contiguous()
-    return w.view(N // G, G // 64, 2, 32, K).transpose(1, 2).reshape(N, K).contiguous()
 
 
 def gemm_kernel(N: int, K: int, bias: bool = False, act: str = "none", cfg: GemmConfig = LARGE,
@@ -301,5 +217,5 @@ def gemm_flops(M: int, N: int, K: int) -> float:
 
 
 __all__ = ["GemmConfig", "SMALL", "LARGE", "NARROW", "SMALL_M", "TUNED", "pick_config", "gemm_ref", "build_gemm",
-           "gemm_kernel", "gemm", "gemm_flops", "SPLIT_GROUP", "split_group", "split_weight",
+           "gemm_kernel", "gemm", "gemm_flops",
            "apply_act"]

@@ -35,12 +35,6 @@ SWEEP_GEMM = (
     _gemm.GemmConfig(bm=128, bn=128, bk=128, stages=3, threads=256, persistent=132),
     _gemm.GemmConfig(bm=128, bn=128, bk=64, stages=3, threads=256, ws=False),
 )
-# Wqkv with its RoPE in two half accumulators (gemm.GemmConfig.split): timed by the sweep's RoPE row only
-SWEEP_ROPE_SPLIT = (
-    _gemm.GemmConfig(bm=128, bn=256, bk=64, stages=3, threads=256, split=True),
-    _gemm.GemmConfig(bm=128, bn=256, bk=64, stages=4, threads=256, split=True),
-    _gemm.GemmConfig(bm=128, bn=128, bk=64, stages=4, threads=256, split=True),
-)
 # Tried and dropped (tenth session, H200): 192 x 128 tiles with three consumer warpgroups, for fewer partial last
 # waves (N = 1024 at 15360 tokens: 480 tiles of 256 x 128 are 3.6 waves of 132 SMs, 640 of 192 x 128 are 4.85):
 # 568 against 560 TF/s for Wo at M = 15360, 2-6% slower than the 128 x 256 / 256 x 128 tiles everywhere else.
@@ -93,7 +87,6 @@ def sweep_specs(shape: str = "modernbert-large") -> list[tuple[str, tuple]]:
             out += [("gemm", (N, K, False, "none", c, BF)) for c in SWEEP_GEMM]
         if name == "wqkv":   # the forward runs the winner with its RoPE epilogue
             out += [("gemm", (N, K, False, "none", c, BF, BF, 2 * d)) for c in SWEEP_GEMM if c.bn % 64 == 0]
-            out += [("gemm", (N, K, False, "none", c, BF, BF, 2 * d)) for c in SWEEP_ROPE_SPLIT]
     for c in SWEEP_GEMM:
         out += [("gemm", (3 * d, d, True, "none", c, BF)), ("gemm", (d, d, True, "none", c, BF)),
                 ("gemm", (d, d, True, "gelu", c, BF)), ("gemm", (ffn, d, True, "relu", c, BF)),

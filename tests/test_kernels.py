@@ -3,7 +3,6 @@ tilelang, no GPU), and every TileLang kernel against its reference at awkward si
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import json
 import os
@@ -181,36 +180,6 @@ def test_persistent_and_rope_fused_gemms_compile_for_hopper(monkeypatch):
         assert [p.name for p in k.prim_func.params] == [n + "_handle" for n in names]
     with pytest.raises(ValueError, match="RoPE"):
         gemm.build_gemm(3072, 1024, cfg=gemm.GemmConfig(bn=96), rope_cols=2048)
-
-
-def test_split_weight_puts_each_heads_halves_where_the_split_kernel_reads_them():
-    w = torch.arange(3072, dtype=torch.float32)[:, None].expand(3072, 8).contiguous()
-    ws = gemm.split_weight(w, 2048)
-    G = gemm.split_group(3072, 2048)
-    assert G == 256 and gemm.split_group(3072, 2048, 128) == 256 and gemm.split_group(192, 128) == 64
-    rows = ws[:, 0].long().tolist()
-    assert sorted(rows) == list(range(3072))
-    for g in range(3072 // G):
-        for r in range(G // 2):   # row r of a group's first half: head r // 32, dim r % 32; second half: + 32
-            assert rows[g * G + r] == g * G + (r // 32) * 64 + r % 32
-            assert rows[g * G + G // 2 + r] == g * G + (r // 32) * 64 + 32 + r % 32
-    assert torch.equal(gemm.split_weight(w[:192], 128), w[:192])   # 64-row groups: unchanged
-
-
-@needs_tilelang
-def test_split_rope_gemm_compiles_to_tma_loads_and_a_register_rotation(monkeypatch):
-    import re
-
-    monkeypatch.setenv("LAYA_FLEET_TL_ARCH", "sm_90a")
-    for c in SPLIT.values():
-        src = gemm.gemm_kernel(3072, 1024, False, "none", c, rope_cols=2048).get_kernel_source()
-        assert c.tag().endswith("h") and src.count("tma_load(") == 3 and "tma_store" in src
-        assert not re.search(r"= \*\(uint4\*\)\(W \+", src), "W read element-wise, not through TMA"
-        assert "Cos" in src and "stmatrix" not in src
-    with pytest.raises(ValueError, match="split"):
-        gemm.build_gemm(3072, 1024, cfg=dataclasses.replace(gemm.LARGE, split=True))   # no RoPE columns
-    with pytest.raises(ValueError, match="split"):
-        gemm.build_gemm(3072, 1024, cfg=dataclasses.replace(PERSISTENT, split=True), rope_cols=2048)
 
 
 @needs_tilelang
@@ -412,37 +381,6 @@ def test_gemm_with_rope_epilogue_equals_gemm_then_rope(M, cfg):
     assert (fused != two_step).float().mean() < 0.01   # at most an ulp here and there (fma contraction)
     assert torch.equal(fused[:, 2048:], two_step[:, 2048:])
     _close(fused, rope.rope_ref(gemm.gemm_ref(a, w), pos, cos, sin, heads), 1e-2)
-
-
-SPLIT = {"SMALL": dataclasses.replace(gemm.SMALL, split=True), "LARGE": dataclasses.replace(gemm.LARGE, split=True),
-         "128": precompile.SWEEP_ROPE_SPLIT[-1]}
-
-
-@gpu
-@needs_tilelang
-@pytest.mark.parametrize("M", [1, 77, 200, 1000])
-@pytest.mark.parametrize("cfg", list(SPLIT))
-@pytest.mark.parametrize("bias", [False, True])
-def test_split_rope_gemm_equals_the_rotated_product(M, cfg, bias):
-    """Wqkv with RoPE in two half accumulators, on the reordered weight: Q and K rotated before rounding (so within
-    an ulp of the two-step kernels, closer to fp32), V columns the plain product, every column where it belongs."""
-    c = SPLIT[cfg]
-    heads = 16
-    a = torch.randn(M, 1024, device=DEV).bfloat16()
-    w = (torch.randn(3 * 1024, 1024, device=DEV) * 1024 ** -0.5).bfloat16()
-    b = torch.randn(3072, device=DEV) * 0.1 if bias else gemm._zeros(3072, DEV)
-    pos = torch.randint(0, 512, (M,), device=DEV, dtype=torch.int32)
-    cos, sin = rope.rope_tables(160000.0, 512, DEV)
-    fused = _poison(M, 3072)
-    gemm.gemm_kernel(3072, 1024, bias, "none", c, rope_cols=2048)(a, gemm.split_weight(w, 2048), b, fused, pos, cos,
-                                                                 sin)
-    exact = rope.rope_ref(gemm.gemm_ref(a, w, b if bias else None, out_dtype=torch.float32), pos, cos, sin, heads)
-    _close(fused, exact, 5e-3)
-    two_step = gemm.gemm(a, w, b if bias else None)
-    rope.rope(two_step, pos, cos, sin, heads)
-    torch.testing.assert_close(fused.float(), two_step.float(), atol=2e-2, rtol=2e-2)
-    assert (fused.float() - exact).abs().mean() <= (two_step.float() - exact).abs().mean() * 1.01
-    torch.testing.assert_close(fused[:, 2048:].float(), exact[:, 2048:], atol=1e-2, rtol=1e-2)
 
 
 @gpu
