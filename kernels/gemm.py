@@ -94,7 +94,11 @@ def build_gemm(N: int, K: int, bias: bool = False, act: str = "none", cfg: GemmC
     rope_cols > 0 (Wqkv: 2 * hidden, the Q and K heads) adds Pos[M] i32, Cos[P,32] f32, Sin[P,32] f32 and
     rotates every 64-column head below rope_cols in the epilogue, exactly as kernels/rope.py does to the
     stored output (the rounded value, fp32 math): the packed QKV makes no second trip through memory, though the
-    rotation, after the main loop and not overlapped with it, still costs ~16% of the GEMM (H200, 65k rows)."""
+    rotation, after the main loop and not overlapped with it, still costs ~16% of the GEMM (H200, 65k rows).
+
+    Tried and dropped (tenth session, commit fd674c5): each head as two 32-column halves in two accumulators (a
+    reordered weight), so the rotation runs in registers before rounding. Correct, but TileLang then waits for each
+    half's wgmma batch before issuing the other's: 824 against 748 us at M = 65536, 195 against 173 at 15360."""
     if act not in ACTS:
         raise ValueError("act must be one of %s, got %r" % (ACTS, act))
     if cfg.bn % 16 or cfg.bk % 16:
