@@ -555,13 +555,13 @@ def forward_split(eng, rows, reps: int = 20) -> dict:
     with ff._lock:
         for _ in range(reps):
             t = time.perf_counter()
-            ff._stage(rows, Tb)
+            _, gb = ff._stage(rows, Tb)
             stage.append((time.perf_counter() - t) * 1e3)
             n = ff._int_size(Tb)
             ff._ints[:n].copy_(ff._ints_host[:n])
             e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             e0.record()
-            ff._encoder(Tb)
+            ff._encoder(Tb, gb)
             e1.record()
             torch.cuda.synchronize()
             graph.append(e0.elapsed_time(e1))

@@ -7,9 +7,12 @@ to a token bucket; padding tokens belong to no row and are never read back.
 
 Per token bucket one CUDA graph runs the whole encoder and decision head (every op a TileLang kernel:
 GEMM with bias/activation epilogue, GEMM + GeGLU, residual add + LayerNorm, RoPE, packed attention)
-and the scorer's per-token logit. Activations live in one set of static buffers sized for the largest
-bucket and shared by every graph (one forward runs at a time, under a lock). A second, small graph per
-(row bucket, marker bucket) gathers marker logits and [CLS] states and runs the action head in torch.
+and the scorer's logits. After the head's last attention only the marker and [CLS] tokens are read back, so that
+layer's output projection, feed-forward and the scorer run on those rows alone (gathered, at most 1/8 of the
+bucket; a batch with more falls back to every row: each bucket has a graph for both). Activations live in one set of
+static buffers sized for the largest bucket and shared by every graph (one forward runs at a time, under a lock).
+A second, small graph per (row bucket, marker bucket) gathers marker logits and [CLS] states and runs the action
+head in torch.
 `warmup(max_batch_tokens)` captures every graph up front, into one shared memory pool.
 
 `ops="torch"` swaps every kernel for its torch reference (same packing, same buffers): a debugging
@@ -48,6 +51,17 @@ log = logging.getLogger(__name__)
 OPS = ("gemm", "geglu", "add_ln", "rope", "attention")
 DEFAULT_MAX_BATCH_TOKENS = 16384
 SCORER_PAD = 16       # the scorer's 1-wide output layer runs as a 16-wide GEMM (zero rows) with fp32 output
+# After the decision head's last attention only the marker and [CLS] tokens are read, so the rest of that layer and
+# the scorer run on those rows alone, gathered into at most Tb / GATHER_DIV rows (a batch with more, short rows full
+# of options, runs them on Tb rows); LAYA_FLEET_GATHER_HEAD=0 always takes Tb rows. Each token bucket has a graph for
+# either capacity.
+GATHER_DIV = 8
+GATHER_HEAD = os.environ.get("LAYA_FLEET_GATHER_HEAD", "1") != "0"
+
+
+def gather_capacity(Tb: int) -> int:
+    """The rows the head's last layer runs on in a gathered forward of bucket Tb."""
+    return max(1, Tb // GATHER_DIV) if GATHER_HEAD else Tb
 
 
 def token_buckets(max_tokens: int) -> list[int]:
@@ -181,7 +195,7 @@ class FastForward:
         self._load_weights(model, bundle)
         self.stats = FastStats()
         self._lock = threading.RLock()
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}   # (token bucket, head rows)
         self._tail_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
         self._warm = False
@@ -291,8 +305,7 @@ class FastForward:
         self.buckets = token_buckets(T)
         self.R_max = row_capacity(T)
         self.K_max = _pow2(max(2, self.max_len // 4), 2)
-        nt = -(-T // self.attn_cfg.bm) + self.R_max
-        n_int = 4 * T + self.R_max + 2 + 2 * nt
+        n_int = self._int_size(T)
         pin = dev.type == "cuda"
         self._ints = torch.zeros(n_int, dtype=torch.int32, device=dev)
         rb = _pow2(self.R_max)
@@ -305,13 +318,15 @@ class FastForward:
         self._slot_done: list[Any] = [None, None]   # the CUDA event after the last chunk that used each slot
         self._ints_host, self._tail_host = self._slots[0]
         # zero-filled so stale padding rows are always finite (attention multiplies them by p = 0)
-        self.X = torch.zeros(T, d, dtype=torch.float32, device=dev)
+        # X, O and S have one row more: row T is where the gathered head's padding rows go (never read back)
+        self.X = torch.zeros(T + 1, d, dtype=torch.float32, device=dev)
         self.Y = torch.zeros(T, d, dtype=adt, device=dev)
         self.QKV = torch.zeros(T, 3 * d, dtype=adt, device=dev)
-        self.O = torch.zeros(T, d, dtype=adt, device=dev)
+        self.O = torch.zeros(T + 1, d, dtype=adt, device=dev)
         self.R = torch.zeros(T, d, dtype=adt, device=dev)
         self.G = torch.zeros(T * max(self.inter, self.ffn, d), dtype=adt, device=dev)
-        self.S = torch.zeros(T, SCORER_PAD, dtype=torch.float32, device=dev)
+        self.S = torch.zeros(T + 1, SCORER_PAD, dtype=torch.float32, device=dev)
+        self.Sg = torch.zeros(T, SCORER_PAD, dtype=torch.float32, device=dev)
         self._zero_bias = torch.zeros(max(3 * d, self.ffn, self.inter, SCORER_PAD), dtype=torch.float32, device=dev)
 
     def _kernel_specs(self) -> list[tuple[str, tuple]]:
@@ -423,16 +438,16 @@ class FastForward:
         with self._lock:
             total = sum(len(r.ids) for r in rows)
             Tb = self.bucket_for(total, len(rows))
-            self._stage(rows, Tb)
+            _, g = self._stage(rows, Tb)
             self._ints[:self._int_size(Tb)].copy_(self._ints_host[:self._int_size(Tb)])
-            self._body(Tb)
+            self._body(Tb, g)
             runs = []
             for _ in range(repeats):
                 self._prof = []
                 t0 = torch.cuda.Event(enable_timing=True)
                 t1 = torch.cuda.Event(enable_timing=True)
                 t0.record()
-                self._body(Tb)
+                self._body(Tb, g)
                 t1.record()
                 torch.cuda.synchronize(self.device)
                 ops: dict[str, float] = {}
@@ -442,7 +457,7 @@ class FastForward:
                 self._prof = None
         runs.sort(key=lambda r: r[0])
         tot, ops = runs[len(runs) // 2]
-        return {"bucket": Tb, "tokens": total, "rows": len(rows), "total_ms": tot, "ops": ops,
+        return {"bucket": Tb, "tokens": total, "rows": len(rows), "head_rows": g, "total_ms": tot, "ops": ops,
                 "other_ms": tot - sum(ops.values())}
 
     # -- the forward over static buffers (what each graph captures) ------------------------------
@@ -451,16 +466,18 @@ class FastForward:
         nt = -(-Tb // self.attn_cfg.bm) + R
         ints = self._ints
         o = 4 * Tb
+        e = o + R + 2 + 2 * nt
         return {"ids": ints[0:Tb], "pos": ints[Tb:2 * Tb], "ttype": ints[2 * Tb:3 * Tb], "trow": ints[3 * Tb:o],
-                "cu": ints[o:o + R + 2], "tiles": ints[o + R + 2:o + R + 2 + 2 * nt].view(nt, 2)}
+                "cu": ints[o:o + R + 2], "tiles": ints[o + R + 2:e].view(nt, 2), "gidx": ints[e:e + Tb]}
 
     def _int_size(self, Tb: int) -> int:
         R = row_capacity(Tb)
-        return 4 * Tb + R + 2 + 2 * (-(-Tb // self.attn_cfg.bm) + R)
+        return 5 * Tb + R + 2 + 2 * (-(-Tb // self.attn_cfg.bm) + R)
 
-    def _body(self, Tb: int) -> None:
+    def _body(self, Tb: int, g: int) -> None:
+        """The encoder and head over bucket Tb; the head's last layer after its attention, and the scorer, on the
+        g rows listed in gidx (marker and [CLS] tokens, then padding pointing at the scratch row T_max)."""
         v = self._views(Tb)
-        d = self.d
         X, Y, QKV, Ob, R = self.X[:Tb], self.Y[:Tb], self.QKV[:Tb], self.O[:Tb], self.R[:Tb]
         torch.index_select(self.emb, 0, v["ids"], out=X)
         self._add_ln(X, None, self.emb_norm, self.eps, Y, "inplace")
@@ -485,15 +502,40 @@ class FastForward:
         for j, hl in enumerate(self.head_layers):
             self._gemm(Y, hl.win, hl.bin, QKV)
             self._attention(QKV, v, self.head_heads, 0, Ob)
+            if j + 1 == hn:
+                self._head_tail(hl, v["gidx"][:g], g)
+                return
             self._gemm(Ob, hl.wout, hl.bout, R)
             self._add_ln(X, R, hl.norm2[:2], hl.norm2[2], Y, "add")
             self._gemm(Y, hl.w1, hl.b1, F1, "relu")
             self._gemm(F1, hl.w2, hl.b2, R)
-            nxt = self.head_layers[j + 1].norm1 if j + 1 < hn else self.scorer_norm
+            nxt = self.head_layers[j + 1].norm1
             self._add_ln(X, R, nxt[:2], nxt[2], Y, "add")
-        H1 = self.G[:Tb * d].view(Tb, d)
-        self._gemm(Y, self.scorer_w1, self.scorer_b1, H1, "gelu")
-        self._gemm(H1, self.scorer_w2, self.scorer_b2, self.S[:Tb])
+
+    def _head_tail(self, hl: Any, gi: torch.Tensor, g: int) -> None:
+        """The head's last layer after its attention, and the scorer, on the g gathered rows `gi` (token indices);
+        their residual rows and scores are written back to X and S at those indices. The free QKV buffer holds
+        the gathered residual (fp32) and attention output."""
+        d = self.d
+        flat = self.QKV.view(-1)
+        Xg = flat.view(torch.float32)[:g * d].view(g, d)
+        off = g * d * 4 // flat.element_size()
+        Og = flat[off:off + g * d].view(g, d)
+        torch.index_select(self.O, 0, gi, out=Og)
+        torch.index_select(self.X, 0, gi, out=Xg)
+        Rg, Yg = self.R[:g], self.Y[:g]
+        Fg = self.G[:g * self.ffn].view(g, self.ffn)
+        self._gemm(Og, hl.wout, hl.bout, Rg)
+        self._add_ln(Xg, Rg, hl.norm2[:2], hl.norm2[2], Yg, "add")
+        self._gemm(Yg, hl.w1, hl.b1, Fg, "relu")
+        self._gemm(Fg, hl.w2, hl.b2, Rg)
+        self._add_ln(Xg, Rg, self.scorer_norm[:2], self.scorer_norm[2], Yg, "add")
+        Hg = self.G[:g * d].view(g, d)
+        self._gemm(Yg, self.scorer_w1, self.scorer_b1, Hg, "gelu")
+        self._gemm(Hg, self.scorer_w2, self.scorer_b2, self.Sg[:g])
+        idx = gi.long()
+        self.X.index_copy_(0, idx, Xg)
+        self.S.index_copy_(0, idx, self.Sg[:g])
 
     def _tail_body(self, nb: int, kb: int, ints: torch.Tensor | None = None) -> torch.Tensor:
         ints = self._tail if ints is None else ints
@@ -516,8 +558,9 @@ class FastForward:
         raise ValueError("%d tokens in %d rows exceed the largest bucket (%d tokens, %d rows)"
                          % (tokens, rows, self.T_max, self.R_max))
 
-    def _stage(self, rows: Sequence[Row], Tb: int, host: torch.Tensor | None = None) -> np.ndarray:
-        """Fill a host staging buffer (default: slot 0's) for one chunk; returns cu_seqlens (int64, n + 1)."""
+    def _stage(self, rows: Sequence[Row], Tb: int, host: torch.Tensor | None = None) -> tuple[np.ndarray, int]:
+        """Fill a host staging buffer (default: slot 0's) for one chunk; returns cu_seqlens (int64, n + 1) and the
+        rows the head's last layer runs on (gather_capacity(Tb), or Tb when more tokens are read back)."""
         n = len(rows)
         lens = np.fromiter((len(r.ids) for r in rows), dtype=np.int64, count=n)
         total = int(lens.sum())
@@ -542,8 +585,18 @@ class FastForward:
         o = 4 * Tb
         st[o:o + n + 1] = cu
         st[o + n + 1:o + R + 2] = total
-        st[o + R + 2:o + R + 2 + 2 * nt] = _attn.tile_table(lens, self.attn_cfg.bm, nt, empty_row=R).reshape(-1)
-        return cu
+        e = o + R + 2 + 2 * nt
+        st[o + R + 2:e] = _attn.tile_table(lens, self.attn_cfg.bm, nt, empty_row=R).reshape(-1)
+        # the tokens read back (every marker, every [CLS]), then the scratch row T_max
+        ks = np.fromiter((len(r.markers) for r in rows), dtype=np.int64, count=n)
+        k = int(ks.sum())
+        gid = st[e:e + Tb]
+        gid[:k] = np.fromiter(itertools.chain.from_iterable(r.markers for r in rows), dtype=np.int64, count=k) \
+            + np.repeat(cu[:-1], ks)
+        gid[k:k + n] = cu[:-1]
+        gid[k + n:] = self.T_max
+        cap = gather_capacity(Tb)
+        return cu, cap if k + n <= cap else Tb
 
     @staticmethod
     def _stage_tail(rows: Sequence[Row], cu: np.ndarray, nb: int, kb: int, st: np.ndarray) -> None:
@@ -603,11 +656,11 @@ class FastForward:
             out = fn(*args)
         return g, out
 
-    def _encoder(self, Tb: int) -> None:
+    def _encoder(self, Tb: int, gb: int) -> None:
         if not self.use_graphs:
-            self._body(Tb)
+            self._body(Tb, gb)
             return
-        g = self._graphs.get(Tb)
+        g = self._graphs.get((Tb, gb))
         if g is None:
             if self._warm:
                 self.stats.captures_after_warmup += 1
@@ -616,12 +669,12 @@ class FastForward:
             # per tile regime (the GEMM tiles change at SMALL_M tokens) instead of one per bucket, so warm-up
             # captures the 8-per-octave buckets for about the cost of capturing alone (the GPU tests compare
             # graphs with eager runs).
-            regime = Tb <= _gemm.SMALL_M
+            regime = (Tb <= _gemm.SMALL_M, gb <= _gemm.SMALL_M)
             if regime not in self._ran:
-                self._side_run(self._body, Tb)
+                self._side_run(self._body, Tb, gb)
                 self._ran.add(regime)
-            g, _ = self._capture(self._body, Tb)
-            self._graphs[Tb] = g
+            g, _ = self._capture(self._body, Tb, gb)
+            self._graphs[(Tb, gb)] = g
             self.stats.graphs = len(self._graphs)
         g.replay()
 
@@ -650,10 +703,10 @@ class FastForward:
         ints_host, tail_host = self._slots[slot]
         if self._slot_done[slot] is not None:   # the chunk that last used this slot has read it
             self._slot_done[slot].synchronize()
-        cu = self._stage(rows, Tb, ints_host)
+        cu, gb = self._stage(rows, Tb, ints_host)
         size = self._int_size(Tb)
         self._ints[:size].copy_(ints_host[:size], non_blocking=True)
-        self._encoder(Tb)
+        self._encoder(Tb, gb)
         kmax = max((len(r.markers) for r in rows), default=0)
         nb = _pow2(n)
         kb = _pow2(kmax, 2)
@@ -724,10 +777,11 @@ class FastForward:
                     self._warm_rows(Tb)
             else:  # each capture is preceded by a real run of the same bucket (see _encoder)
                 for Tb in reversed(self.buckets):   # largest first, so the pool is sized once
-                    if Tb not in self._graphs:
-                        self._stage(self._synthetic(Tb), Tb)
-                        self._ints[:self._int_size(Tb)].copy_(self._ints_host[:self._int_size(Tb)])
-                        self._encoder(Tb)
+                    _, gb = self._stage(self._synthetic(Tb), Tb)
+                    self._ints[:self._int_size(Tb)].copy_(self._ints_host[:self._int_size(Tb)])
+                    for g in sorted({gb, Tb}):   # the gathered head's two capacities
+                        if (Tb, g) not in self._graphs:
+                            self._encoder(Tb, g)
                 for nb in (1 << i for i in range(_pow2(self.R_max).bit_length())):
                     for kb in (1 << i for i in range(1, self.K_max.bit_length())):
                         if (nb, kb) not in self._tail_graphs:
@@ -749,9 +803,10 @@ class FastForward:
 
     def _warm_rows(self, Tb: int) -> None:
         rows = self._synthetic(Tb)
-        self._stage(rows, Tb)
+        _, gb = self._stage(rows, Tb)
         self._ints[:self._int_size(Tb)].copy_(self._ints_host[:self._int_size(Tb)])
-        self._side_run(self._body, Tb)
+        for g in sorted({gb, Tb}):
+            self._side_run(self._body, Tb, g)
 
 
 class FastBackend:

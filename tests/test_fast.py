@@ -136,6 +136,29 @@ def test_staging_from_row_arrays_equals_staging_from_id_lists(bundle, rows):
     assert ff._ints_host[:n].tolist() == edited[0].ids
 
 
+def test_the_heads_last_layer_on_gathered_rows_answers_like_the_eager_model(engine, bundle, rows):
+    """After the head's last attention only markers and [CLS] are read: those rows alone go on (Tb / 8 of them), or
+    all Tb rows for a batch of short rows full of options; both answer like the eager model."""
+    from kernels.forward import gather_capacity
+
+    fast = make_backend(load_model(bundle), bundle, torch.device("cpu"), ops="torch", max_batch_tokens=4096)
+    ff = fast.engine
+    long_rows = [r for r in rows if len(r) >= 40][:6]
+    dense = [Row(r.ids[:12], list(range(1, 11)), r.qtype) for r in rows[:6]]   # 10 markers in 12 tokens
+    for batch, gathered in ((long_rows, True), (dense, False)):
+        Tb = ff.bucket_for(sum(len(r) for r in batch), len(batch))
+        _, g = ff._stage(batch, Tb)
+        assert (g == gather_capacity(Tb) < Tb) if gathered else (g == Tb)
+        l1, p1 = engine.backend.forward(batch)
+        l2, p2 = fast.forward(batch)
+        np.testing.assert_allclose(l2, l1, atol=2e-4, rtol=1e-4)
+        np.testing.assert_allclose(p2, p1, atol=1e-5)
+    la, pa = fast.forward(long_rows + dense)
+    lb, pb = engine.backend.forward(long_rows + dense)
+    np.testing.assert_allclose(la, lb, atol=2e-4, rtol=1e-4)
+    np.testing.assert_allclose(pa, pb, atol=1e-5)
+
+
 def test_auto_falls_back_to_eager_without_cuda(tiny_checkpoint):
     import model
 
