@@ -169,6 +169,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run (no forward timeline)")
     ap.add_argument("--max-batch-tokens", type=int, default=65536)
     ap.add_argument("--reps", type=int, default=REPS, help="timed calls per measurement (median)")
+    ap.add_argument("--torch-threads", type=int, default=0, help="torch.set_num_threads first (0: torch's default)")
     a = ap.parse_args(argv)
     if a.replot:
         with open(a.replot) as fh:
@@ -182,6 +183,8 @@ def main(argv=None) -> int:
     import tokenizers
     import torch
 
+    if a.torch_threads:
+        torch.set_num_threads(a.torch_threads)
     if a.make and not os.path.isdir(a.ckpt):
         from model.make_checkpoint import make_checkpoint
 
@@ -193,6 +196,7 @@ def main(argv=None) -> int:
     pieces = b.piece_chars
     gpu = torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu (dry run)"
     res: dict = {"date": time.strftime("%Y-%m-%d"), "gpu": gpu, "cpus": b.cores,
+                 "torch_threads": torch.get_num_threads(),
                  "tokenizers": tokenizers.__version__, "piece_chars": pieces,
                  "piece_length": b.piece_length([b._clean(s) for s in states]),
                  "commit": subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
