@@ -587,16 +587,20 @@ class FastForward:
         st[o + n + 1:o + R + 2] = total
         e = o + R + 2 + 2 * nt
         st[o + R + 2:e] = _attn.tile_table(lens, self.attn_cfg.bm, nt, empty_row=R).reshape(-1)
-        # the tokens read back (every marker, every [CLS]), then the scratch row T_max
+        # the tokens read back (every marker, every [CLS]), then the scratch row T_max; when they do not fit in the
+        # gathered capacity (or repeat markers past Tb), every token of the bucket, in order
         ks = np.fromiter((len(r.markers) for r in rows), dtype=np.int64, count=n)
         k = int(ks.sum())
         gid = st[e:e + Tb]
+        cap = gather_capacity(Tb)
+        if k + n > cap:
+            gid[:] = np.arange(Tb)
+            return cu, Tb
         gid[:k] = np.fromiter(itertools.chain.from_iterable(r.markers for r in rows), dtype=np.int64, count=k) \
             + np.repeat(cu[:-1], ks)
         gid[k:k + n] = cu[:-1]
         gid[k + n:] = self.T_max
-        cap = gather_capacity(Tb)
-        return cu, cap if k + n <= cap else Tb
+        return cu, cap
 
     @staticmethod
     def _stage_tail(rows: Sequence[Row], cu: np.ndarray, nb: int, kb: int, st: np.ndarray) -> None:

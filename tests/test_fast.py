@@ -153,10 +153,15 @@ def test_the_heads_last_layer_on_gathered_rows_answers_like_the_eager_model(engi
         l2, p2 = fast.forward(batch)
         np.testing.assert_allclose(l2, l1, atol=2e-4, rtol=1e-4)
         np.testing.assert_allclose(p2, p1, atol=1e-5)
-    la, pa = fast.forward(long_rows + dense)
-    lb, pb = engine.backend.forward(long_rows + dense)
-    np.testing.assert_allclose(la, lb, atol=2e-4, rtol=1e-4)
-    np.testing.assert_allclose(pa, pb, atol=1e-5)
+    # repeated markers can list more tokens than the bucket holds: every token then goes on, in order
+    repeated = [Row(r.ids[:6], [1, 2, 3] * 10, r.qtype) for r in rows[:10]]
+    for batch in (long_rows + dense, repeated):
+        la, pa = fast.forward(batch)
+        lb, pb = engine.backend.forward(batch)
+        np.testing.assert_allclose(la, lb, atol=2e-4, rtol=1e-4)
+        np.testing.assert_allclose(pa, pb, atol=1e-5)
+    Tb = ff.bucket_for(60, 10)
+    assert sum(len(r.markers) + 1 for r in repeated) > Tb and ff._stage(repeated, Tb)[1] == Tb
 
 
 def test_auto_falls_back_to_eager_without_cuda(tiny_checkpoint):
