@@ -6,6 +6,8 @@ a bar chart next to it.
 
     python3 bench/latency_probe.py --make modernbert-large --ckpt /tmp/ck --out $OUT/latency_probe.json
     python3 bench/latency_probe.py --replot results.json     # the chart again from a saved run
+
+LAYA_FLEET_COMMIT=<hash> sets the commit the JSON records (the GPU machine's copy can carry stale git metadata).
 """
 
 import argparse
@@ -199,8 +201,10 @@ def main(argv=None) -> int:
                  "torch_threads": torch.get_num_threads(),
                  "tokenizers": tokenizers.__version__, "piece_chars": pieces,
                  "piece_length": b.piece_length([b._clean(s) for s in states]),
-                 "commit": subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
-                                          text=True).stdout.strip() or None, "ms": {}}
+                 # LAYA_FLEET_COMMIT first: the GPU machine's copy of the checkout can carry stale git metadata
+                 "commit": os.environ.get("LAYA_FLEET_COMMIT") or subprocess.run(
+                     ["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
+                     text=True).stdout.strip() or None, "ms": {}}
     ms = res["ms"]
     rows = [r for e in eng.encode_many(states, prep) for r in e.rows]
     for label, pc in (("whole", 0), ("pieces", pieces)):

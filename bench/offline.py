@@ -209,8 +209,9 @@ def env_info() -> dict:
     except Exception:  # pragma: no cover
         pass
     try:
-        info["commit"] = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True,
-                                        text=True).stdout.strip()
+        # LAYA_FLEET_COMMIT first: the GPU machine's copy of the checkout can carry stale git metadata
+        info["commit"] = os.environ.get("LAYA_FLEET_COMMIT") or subprocess.run(
+            ["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     except OSError:  # pragma: no cover
         pass
     return info
