@@ -3,12 +3,31 @@
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 
 import pytest
 import torch
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+_EXIT: list[int] = []
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _EXIT.append(int(exitstatus))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """After the summary, exit with pytest's status without interpreter finalisation: one fresh-clone `make test` of
+    three on 2026-11-30 segfaulted there after all 335 tests had passed (native threads of Ray, torch or the
+    tokenizers at teardown; Ray is already shut down by the fixtures). LAYA_FLEET_TEST_HARD_EXIT=0 exits normally."""
+    if _EXIT and os.environ.get("LAYA_FLEET_TEST_HARD_EXIT", "1") != "0":
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(_EXIT[-1])
 
 
 def pytest_collection_modifyitems(config, items):
