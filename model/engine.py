@@ -75,6 +75,7 @@ class Engine:
         self.bundle = bundle
         self.backend = backend
         self.builder = SequenceBuilder(bundle.tokenizer, bundle.max_len, bundle.head_max_len)
+        self.builder.row_arrays = bool(getattr(backend, "packed", False))   # the fast backend stages Row.arr
         self.temperatures = _decode.Temperatures(bundle.cfg, bundle.path)
         self._hash: str | None = None
         self._prepared: OrderedDict[tuple, Prepared] = OrderedDict()

@@ -117,9 +117,9 @@ class Row:
     ids: list[int]
     markers: list[int]
     qtype: int
-    # The same ids as int32, when SequenceBuilder made the row: a GPU backend stages it with one concatenate instead
-    # of converting every Python int (0.86 ms for the 10 x 3 call's 15360 tokens on the H200 host). Not pickled (a
-    # row sent to another process carries its ids once); None means "convert ids".
+    # The same ids as int32, when SequenceBuilder made the row (row_arrays): the fast backend stages it with one
+    # concatenate instead of converting every Python int (0.86 ms for the 10 x 3 call's 15360 tokens on the H200
+    # host). Not pickled (a row sent to another process carries its ids once); None means "convert ids".
     arr: np.ndarray | None = field(default=None, compare=False, repr=False)
 
     def __len__(self) -> int:
@@ -172,6 +172,10 @@ class SequenceBuilder:
         self.pad_id = tokenizer.pad_token_id
         self.max_len = int(max_len)
         self.head_max_len = int(head_max_len)
+        # Give rows their ids as int32 arrays too (Row.arr): only worth it where the rows go to a packed backend in
+        # this process (the Engine of a fast backend, the offline job's scoring actors); an ingress that ships rows
+        # to a scorer, or the offline tokenize stage, would build them for nothing
+        self.row_arrays = False
 
     # -- tokenization -------------------------------------------------------------------------
     def _ids(self, text: str) -> list[int]:
@@ -277,14 +281,14 @@ class SequenceBuilder:
         left = isinstance(state, list)  # a conversation keeps its newest turns
         rows, dropped = [], []
         n = len(state_ids)
-        sa = np.asarray(state_ids, dtype=np.int32)
+        sa = np.asarray(state_ids, dtype=np.int32) if self.row_arrays else None
         sep = np.array([self.sep_id], dtype=np.int32)
         for q, h in zip(questions, heads):
             room = max(0, ml - len(h.ids) - 1)
             lo, hi = (max(0, n - room), n) if left else (0, min(room, n))
             st = state_ids[lo:hi]
             ids = (list(h.ids) + st + [self.sep_id])[:ml]
-            arr = np.concatenate((np.asarray(h.ids, dtype=np.int32), sa[lo:hi], sep))[:ml]
+            arr = None if sa is None else np.concatenate((np.asarray(h.ids, dtype=np.int32), sa[lo:hi], sep))[:ml]
             markers = [m for m in h.markers if m < ml]
             if len(markers) != h.n_options:
                 raise ValueError(

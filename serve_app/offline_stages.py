@@ -344,6 +344,7 @@ class ScoreStage:
         self.scorer = Scorer(spec.checkpoint, **scorer_options)
         self.qs = question_set(spec)
         engine = self.scorer.engine
+        self.qs.builder.row_arrays = engine.builder.row_arrays   # rows built here are staged here
         prepared = engine.prepare(spec.questions, spec.max_len, spec.head_max_len)
         if [h.ids for h in prepared.heads] != [h.ids for h in self.qs.heads]:  # pragma: no cover
             raise RuntimeError("the scorer's question heads differ from the tokenizer stage's")

@@ -112,22 +112,34 @@ def test_bucket_choice(bundle):
         ff.bucket_for(5000, 1)
 
 
-def test_staging_from_row_arrays_equals_staging_from_id_lists(bundle, rows):
+def test_staging_from_row_arrays_equals_staging_from_id_lists(engine, bundle, rows):
     import dataclasses
     import pickle
 
-    assert all(r.arr is not None and r.arr.tolist() == r.ids for r in rows)   # the builder's rows carry both
-    ff = FastForward(load_model(bundle), bundle, torch.device("cpu"), ops="torch", max_batch_tokens=4096)
-    part = rows[:20]
+    from model.engine import Engine
+    from tests import cases as C
+
+    # only an engine over a packed backend builds the arrays (an eager engine or an ingress would not use them)
+    assert all(r.arr is None for r in rows) and not engine.builder.row_arrays
+    fast = make_backend(load_model(bundle), bundle, torch.device("cpu"), ops="torch", max_batch_tokens=4096)
+    eng = Engine(bundle, fast)
+    assert eng.builder.row_arrays
+    states, qs = C.cases(3)[1]
+    built = [r for e in eng.encode_many(states, eng.prepare(qs)) for r in e.rows]
+    assert [r.ids for r in built] == [r.ids for e in engine.encode_many(states, engine.prepare(qs)) for r in e.rows]
+    assert all(r.arr is not None and r.arr.tolist() == r.ids for r in built)   # the builder's rows carry both
+    ff = fast.engine
+    part = (built * 20)[:20]
     Tb = ff.bucket_for(sum(len(r) for r in part), len(part))
     ff._stage(part, Tb)
-    want = ff._ints_host.clone()
+    size = ff._int_size(Tb)
+    want = ff._ints_host[:size].clone()
     plain = [dataclasses.replace(r, arr=None) for r in part]
     for variant in (plain, pickle.loads(pickle.dumps(part)), part[:1] + plain[1:]):
         assert all(r.arr is None for r in variant[1:])
         ff._ints_host.fill_(-7)
         ff._stage(variant, Tb)
-        assert torch.equal(ff._ints_host, want)
+        assert torch.equal(ff._ints_host[:size], want)
     # an array that no longer matches its row's ids (ids edited after building) is not trusted
     edited = [dataclasses.replace(part[0], ids=part[0].ids[:-1])] + part[1:]
     assert len(edited[0].arr) == len(edited[0]) + 1
