@@ -113,6 +113,7 @@ def section_gemm(res: dict, dims: dict, M: int) -> None:
 
     from kernels import geglu as G
     from kernels import gemm as K
+    from kernels import gemm_manual as GM
     from kernels.precompile import SWEEP_GEGLU, SWEEP_GEMM, gemm_shapes
 
     d, inter, ffn, L, HL = dims["d"], dims["inter"], dims["ffn"], dims["layers"], dims["head_layers"]
@@ -159,20 +160,45 @@ def section_gemm(res: dict, dims: dict, M: int) -> None:
                                                      kr(a, w, zb, out, *r))
             except Exception as e:  # a config that does not compile or run is reported, not fatal
                 cands.append({"cfg": cfg.tag(), "error": "%s: %s" % (type(e).__name__, e)})
+        ws = GM.pick(M, N, torch.bfloat16, torch.bfloat16, geglu=name == "wi_geglu")
+        if ws is not None:   # what the forward runs on Hopper for this many rows (kernels/gemm_manual.py)
+            tag = "ws:" + ws.tag()
+            try:
+                k = GM.gemm_manual_kernel(N, Kd, ws, geglu=name == "wi_geglu")
+                zb = torch.zeros(N, device=dev)
+                call = (lambda k=k, a=a, w=w, out=out: k(a, w, out)) if name == "wi_geglu" else \
+                    (lambda k=k, a=a, w=w, out=out, zb=zb: k(a, w, zb, out))
+                out.fill_(float("nan"))
+                call()
+                err = float((out.float() - ref.float()).norm()) / ref_norm
+                t = bench_gpu(call)
+                cands.append({"cfg": tag, "ms": t, "tflops": flops / t / 1e9, "rel_err": err, "manual": True})
+                if name == "wqkv":
+                    kr = GM.gemm_manual_kernel(N, Kd, ws, rope_cols=2 * d)
+                    out.fill_(float("nan"))
+                    kr(a, w, zb, out, pos, cos, sin)
+                    cands[-1]["rope_rel_err"] = float((out.float() - ref_rope).norm() / ref_rope.norm())
+                    cands[-1]["rope_ms"] = bench_gpu(lambda kr=kr, a=a, w=w, out=out, zb=zb, r=(pos, cos, sin):
+                                                     kr(a, w, zb, out, *r))
+            except Exception as e:
+                cands.append({"cfg": tag, "error": "%s: %s" % (type(e).__name__, e), "manual": True})
         ok = [c for c in cands if "ms" in c and c["rel_err"] < 2e-2]
         best = min(ok, key=lambda c: c["ms"]) if ok else None
+        manual = [c for c in ok if c.get("manual")]
+        ok = [c for c in ok if not c.get("manual")]   # TUNED holds the auto-specialised kernels' tiles
         ok_rope = [c for c in ok if c.get("rope_rel_err", 1.0) < 2e-2]
-        use = min(ok_rope, key=lambda c: c["rope_ms"]) if ok_rope else best
+        use = min(ok_rope, key=lambda c: c["rope_ms"]) if ok_rope else min(ok, key=lambda c: c["ms"]) if ok else None
         if use is not None:
             (G.TUNED if name == "wi_geglu" else K.TUNED)[(N, Kd)] = use["_cfg"]
+        chosen = manual[0] if manual else use   # what the forward runs
         for c in cands:
             c.pop("_cfg", None)
         rows.append({"name": name, "M": M, "N": n_t, "K": Kd, "torch_ms": t_torch,
                      "torch_tflops": flops / t_torch / 1e9,
                      "candidates": cands, "best": best and best["cfg"],
                      "best_tflops": best and best["tflops"], "ratio_vs_torch": best and t_torch / best["ms"],
-                     "used": use and use["cfg"],
-                     **({"used_rope_ms": use["rope_ms"]} if use and "rope_ms" in use else {})})
+                     "used": chosen and chosen["cfg"],
+                     **({"used_rope_ms": chosen["rope_ms"]} if chosen and "rope_ms" in chosen else {})})
         log("gemm %-9s torch %.0f TF/s, best tilelang %s" % (name, flops / t_torch / 1e9,
                                                              best and "%.0f TF/s (%s)" % (best["tflops"], best["cfg"])))
     # GEMM floor: every matmul of encoder + head + scorer at torch.matmul speed, per token at this M
@@ -515,6 +541,30 @@ def section_latency(res: dict, engines: dict, wl: dict) -> None:
             log("%s %s: e2e %.2f ms, fwd %.2f ms (%d tokens)" % (name, wname, e2e["ms"], fwd["ms"], tok))
 
 
+def encode_probe(res: dict, engines: dict, wl: dict, when: str) -> None:
+    """How long the fast engine takes to tokenise the 10 x 3 @ 512 states at this point of the run (`encode_many`,
+    and the Rust tokenizer's batch call alone on the same 10 texts), and how many objects the garbage collector
+    tracks: the same call took 4.3-4.8 ms late in this benchmark and 2.4-3.2 ms in a clean process (tenth session),
+    so each section's effect is recorded."""
+    import gc
+    import threading
+
+    from model.questions import serialize_state
+
+    if "fast" not in engines:
+        return
+    eng = engines["fast"][0]
+    states, qs = wl["10x3@512"]
+    prep = eng.prepare(qs)
+    b = eng.builder
+    texts = [b._clean(serialize_state(s)) for s in states]
+    rec = {"encode_ms": timed(lambda: eng.encode_many(states, prep))["ms"],
+           "tokenizer_ms": timed(lambda: b._batch(texts))["ms"],
+           "gc_objects": len(gc.get_objects()), "threads": threading.active_count()}
+    res.setdefault("encode_probe", {})[when] = rec
+    log("encode probe %s: %s" % (when, rec))
+
+
 def section_profile(res: dict, engines: dict, wl: dict) -> None:
     """GPU time per op kind of one fast forward (and fast16's): the 10x3@512 batch and a ~64k-token offline
     chunk."""
@@ -769,7 +819,8 @@ def table(res: dict) -> str:
                    if "rope_ms" in c else "")
                 if "ms" in c else "%s failed" % c["cfg"] for c in r["candidates"]))
             if r.get("used") and r["used"] != r["best"]:
-                lines.append("            the forward uses %s (fastest with its RoPE epilogue)" % r["used"])
+                lines.append("            the forward uses %s (%s)" % (r["used"], "kernels/gemm_manual.py"
+                             if r["used"].startswith("ws:") else "fastest with its RoPE epilogue"))
     al = res.get("add_ln")
     if al:
         lines.append("add+LN (%d x %d, add mode): " % (al["M"], al["d"]) + ", ".join(
@@ -967,10 +1018,13 @@ def main(argv=None) -> int:
     save()
     short = short_words(next(iter(engines.values()))[0]) if engines else 34
     wl = workloads(offline_states=a.offline_states, short=short)
+    encode_probe(res, engines, wl, "after_load")
     sections = [("numerics", lambda: section_numerics(res, engines, a.cases, a.ckpt)),
+                ("probe", lambda: encode_probe(res, engines, wl, "after_numerics")),
                 ("latency", lambda: section_latency(res, engines, wl)),
                 ("profile", lambda: section_profile(res, engines, wl)),
                 ("offline", lambda: section_offline(res, engines, wl, flops_tok, budget)),
+                ("probe", lambda: encode_probe(res, engines, wl, "after_offline")),
                 ("hf", lambda: section_hf(res, a.ckpt, a.device, budget))]
     for name, fn in sections:
         if name in a.skip or budget.left() < 20:

@@ -38,11 +38,17 @@ class AttnConfig:
     # register file). ws=False leaves the pipeline to cp.async/TMA in the same threads and lets several
     # blocks share an SM, so one block's softmax overlaps another's tensor-core work.
     ws: bool = True
+    # lean: less work per score on the CUDA cores, which bound this kernel at head dim 64 (per 64 x 64 block the
+    # two products are ~512 tensor-core cycles, the softmax ~15 instructions a score): the masks run only on key
+    # blocks that cross the row's end or the window's edge (a block-uniform test), the 1/sqrt(d) * log2(e) scale
+    # folds into the exponent (one FFMA: exp2(s * c - m * c), the running max kept in raw units), and the QK^T
+    # product overwrites its accumulator instead of a separate clear
+    lean: bool = False
 
     def tag(self) -> str:
-        """A short text form, e.g. 64x64s1t128 (g suffix when guarded, n when not warp-specialised)."""
-        return "%dx%ds%dt%d%s%s" % (self.bm, self.bn, self.stages, self.threads, "g" if self.guard else "",
-                                    "" if self.ws else "n")
+        """A short text form, e.g. 64x64s1t128 (g suffix when guarded, n when not warp-specialised, l lean)."""
+        return "%dx%ds%dt%d%s%s%s" % (self.bm, self.bn, self.stages, self.threads, "g" if self.guard else "",
+                                      "" if self.ws else "n", "l" if self.lean else "")
 
 
 UNGUARDED = AttnConfig()
@@ -54,18 +60,24 @@ UNGUARDED = AttnConfig()
 # Not candidates: the same kernels software-pipelined (stages=2 without warp specialisation) passed a small
 # check but gave wrong output on the 64k-token one (bench/fast_path.py's sweep, err inf), and their full-attention
 # form only compiles with a start that is not a static 0.
+# The default since the eleventh session is that kernel made lean (masks only on edge blocks, the scale folded into
+# the exponent, no separate clear): 0.590 / 0.464 ms against 0.610 / 0.475, 15.43 against 15.87 ms a forward,
+# the same error (H200, bench/fast_path.py's sweep).
 WARP_SPECIALISED = AttnConfig(stages=2, guard=True)
-DEFAULT = AttnConfig(guard=True, ws=False)
+UNSPECIALISED = AttnConfig(guard=True, ws=False)
+LEAN = AttnConfig(guard=True, ws=False, lean=True)
+DEFAULT = LEAN
 CANDIDATES = (UNGUARDED, AttnConfig(guard=True), WARP_SPECIALISED,
               AttnConfig(bm=128, bn=64, stages=2, threads=256, guard=True),
               AttnConfig(bm=128, bn=128, stages=2, threads=256, guard=True),
-              DEFAULT, AttnConfig(bn=128, guard=True, ws=False))
+              UNSPECIALISED, AttnConfig(bn=128, guard=True, ws=False),
+              LEAN, AttnConfig(bn=128, guard=True, ws=False, lean=True))
 # Measured and dropped (ninth session, H200):
 # - a windowed layer's query tile taking its 192 keys as one block (one QK^T, a plain softmax, one PV; 188 registers,
-#   so two blocks an SM): window 0.557 ms against 0.477 for DEFAULT's three-block loop at four blocks an SM
+#   so two blocks an SM): window 0.557 ms against 0.477 for UNSPECIALISED's three-block loop at four blocks an SM
 #   (bench/results/fast_path_h200_one_pass.json);
 # - 128 query rows unspecialised (two warpgroups of 64 sharing each K/V tile, so a sliding window reads 256 keys per
-#   128 queries instead of 192 per 64): 24.6 ms a forward at bn=64 and 37.6 at bn=128, against DEFAULT's 15.9 (two
+#   128 queries instead of 192 per 64): 24.6 ms a forward at bn=64 and 37.6 at bn=128, against UNSPECIALISED's 15.9 (two
 #   blocks an SM instead of four, and a longer tail per row).
 
 
@@ -154,6 +166,7 @@ def build_attention(heads: int, window: int = 0, cfg: AttnConfig = DEFAULT, dtyp
             sc = T.alloc_fragment((bm,), F32)
             rs = T.alloc_fragment((bm,), F32)
             lsum = T.alloc_fragment((bm,), F32)
+            ms = T.alloc_fragment((bm,), F32) if cfg.lean else None
 
             row = Tiles[bt, 0]
             q0 = Tiles[bt, 1]
@@ -179,23 +192,48 @@ def build_attention(heads: int, window: int = 0, cfg: AttnConfig = DEFAULT, dtyp
                 k_hi = T.max(lo_min, T.ceildiv(L, bn))
             for kb in T.Pipelined(k_lo, k_hi, num_stages=cfg.stages):
                 T.copy(QKV[start + kb * bn, HD + bh * D], K_s)
-                T.clear(s)
-                T.gemm(Q_s, K_s, s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-                if window > 0:
-                    for i, j in T.Parallel(bm, bn):
-                        s[i, j] = T.if_then_else(
-                            (kb * bn + j < L) & (q0 + i - kb * bn - j <= window) & (kb * bn + j - q0 - i <= window),
-                            s[i, j] * scale, NEG)
+                if cfg.lean:
+                    T.gemm(Q_s, K_s, s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow, clear_accum=True)
+                    # raw scores; only a block crossing the row's end (or the window's edge) is masked
+                    edge = kb * bn + bn > L
+                    if window > 0:
+                        edge = edge | (kb * bn + bn - 1 - q0 > window) | (q0 + bm - 1 - kb * bn > window)
+                        if edge:
+                            for i, j in T.Parallel(bm, bn):
+                                s[i, j] = T.if_then_else(
+                                    (kb * bn + j < L) & (q0 + i - kb * bn - j <= window)
+                                    & (kb * bn + j - q0 - i <= window), s[i, j], NEG)
+                    else:
+                        if edge:
+                            for i, j in T.Parallel(bm, bn):
+                                s[i, j] = T.if_then_else(kb * bn + j < L, s[i, j], NEG)
                 else:
-                    for i, j in T.Parallel(bm, bn):
-                        s[i, j] = T.if_then_else(kb * bn + j < L, s[i, j] * scale, NEG)
+                    T.clear(s)
+                    T.gemm(Q_s, K_s, s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                    if window > 0:
+                        for i, j in T.Parallel(bm, bn):
+                            s[i, j] = T.if_then_else(
+                                (kb * bn + j < L) & (q0 + i - kb * bn - j <= window) & (kb * bn + j - q0 - i <= window),
+                                s[i, j] * scale, NEG)
+                    else:
+                        for i, j in T.Parallel(bm, bn):
+                            s[i, j] = T.if_then_else(kb * bn + j < L, s[i, j] * scale, NEG)
                 T.copy(QKV[start + kb * bn, 2 * HD + bh * D], V_s)
                 T.copy(m, m_prev)
                 T.reduce_max(s, m, dim=1, clear=False)
-                for i in T.Parallel(bm):
-                    sc[i] = T.exp2(m_prev[i] - m[i])
-                for i, j in T.Parallel(bm, bn):
-                    s[i, j] = T.exp2(s[i, j] - m[i])
+                if cfg.lean:
+                    # m is in raw units: the scale multiplies both terms of the exponent (a masked score,
+                    # -1e30 * c, still underflows to 0 once the row has met a real key)
+                    for i in T.Parallel(bm):
+                        sc[i] = T.exp2((m_prev[i] - m[i]) * scale)
+                        ms[i] = m[i] * scale
+                    for i, j in T.Parallel(bm, bn):
+                        s[i, j] = T.exp2(s[i, j] * scale - ms[i])
+                else:
+                    for i in T.Parallel(bm):
+                        sc[i] = T.exp2(m_prev[i] - m[i])
+                    for i, j in T.Parallel(bm, bn):
+                        s[i, j] = T.exp2(s[i, j] - m[i])
                 T.reduce_sum(s, rs, dim=1)
                 for i in T.Parallel(bm):
                     lsum[i] = lsum[i] * sc[i] + rs[i]
@@ -246,5 +284,6 @@ def attention_flops(lengths, heads: int, window: int = 0) -> float:
     return total
 
 
-__all__ = ["AttnConfig", "DEFAULT", "UNGUARDED", "WARP_SPECIALISED", "CANDIDATES", "HEAD_DIM", "tile_table",
-           "attention_ref", "attention_dense", "build_attention", "attention_kernel", "attention", "attention_flops"]
+__all__ = ["AttnConfig", "DEFAULT", "LEAN", "UNSPECIALISED", "UNGUARDED", "WARP_SPECIALISED", "CANDIDATES", "HEAD_DIM",
+           "tile_table", "attention_ref", "attention_dense", "build_attention", "attention_kernel", "attention",
+           "attention_flops"]

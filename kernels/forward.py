@@ -43,6 +43,7 @@ from . import _tl
 from . import attention as _attn
 from . import geglu as _geglu
 from . import gemm as _gemm
+from . import gemm_manual as _gm
 from . import layernorm as _ln
 from . import rope as _rope
 
@@ -132,6 +133,16 @@ def kernel_specs(d: int, heads: int, inter: int, ffn: int, windows, eps: float =
         big = _gemm.SMALL_M + 1
         qkv_cfg = cfg(big, 3 * d, d)   # Wqkv rotates Q and K in its epilogue (RoPE fused) when the tile allows
         qkv = (3 * d, d, qkv_bias, "none", qkv_cfg, adt) + ((adt, 2 * d) if qkv_cfg.bn % 64 == 0 else half)
+        prods = [(3 * d, d, qkv_bias, "none", 2 * d), (d, d, out_bias, "none", 0), (d, inter, out_bias, "none", 0),
+                 (3 * d, d, True, "none", 0), (d, d, True, "none", 0), (ffn, d, True, "relu", 0),
+                 (d, ffn, True, "none", 0), (d, d, True, "gelu", 0)]
+        ws = _gm.pick(big, 3 * d, adt, adt) if g is None else None
+        if ws is not None:
+            # Hopper, many rows: the hand-warp-specialised kernels (kernels/gemm_manual.py); RoPE always fused
+            specs += [("gemm_ws", (N, K, ws, b, a, r, False, adt)) for N, K, b, a, r in prods]
+            specs.append(("gemm_ws", (inter, d, _gm.pick(big, inter, adt, adt, geglu=True), False, "none", 0, True,
+                                      adt)))
+            continue
         specs += [("gemm", qkv),
                   ("gemm", (d, d, out_bias, "none", cfg(big, d, d), adt, *half)),
                   ("geglu", (inter, d, gg, *half)),
@@ -154,7 +165,17 @@ def kernel_specs(d: int, heads: int, inter: int, ffn: int, windows, eps: float =
     return list(dict.fromkeys(specs))
 
 
-BUILDERS = {"gemm": _gemm.gemm_kernel, "geglu": _geglu.geglu_kernel, "add_ln": _ln.add_ln_kernel,
+def spec_op(spec: tuple[str, tuple]) -> str:
+    """The forward op (a key of OPS, which `ops` sets to TileLang or torch) a kernel spec serves: a manual GEMM
+    spec serves `gemm`, or `geglu` in its GeGLU form."""
+    kind, args = spec
+    if kind == "gemm_ws":
+        return "geglu" if args[6] else "gemm"
+    return kind
+
+
+BUILDERS = {"gemm": _gemm.gemm_kernel, "gemm_ws": _gm.gemm_manual_kernel, "geglu": _geglu.geglu_kernel,
+            "add_ln": _ln.add_ln_kernel,
             "rope": _rope.rope_kernel, "attention": _attn.attention_kernel}
 
 
@@ -336,7 +357,7 @@ class FastForward:
                              {hl.norm1[2] for hl in self.head_layers} | {hl.norm2[2] for hl in self.head_layers}
                              | {self.scorer_norm[2]}, ly.bqkv is not None, ly.bo is not None,
                              self.emb_norm[1] is not None, self.attn_cfg, self.act_dtype)
-        return [sp for sp in specs if self.ops[sp[0]] == "tilelang"]
+        return [sp for sp in specs if self.ops[spec_op(sp)] == "tilelang"]
 
     def _compile_all(self, workers: int | None) -> None:
         try:
@@ -363,9 +384,13 @@ class FastForward:
         tok = self._mark("gemm %dx%d" % (w.shape[0], a.shape[1]))
         if self.ops["gemm"] == "tilelang":
             M, N = a.shape[0], w.shape[0]
-            cfg = _gemm.pick_config(M, N, a.shape[1])
             b = bias if bias is not None else self._zero_bias[:N]
-            _gemm.gemm_kernel(N, a.shape[1], bias is not None, act, cfg, out.dtype, a.dtype)(a, w, b, out)
+            ws = _gm.pick(M, N, a.dtype, out.dtype)
+            if ws is not None:
+                _gm.gemm_manual_kernel(N, a.shape[1], ws, bias is not None, act, 0, False, a.dtype)(a, w, b, out)
+            else:
+                cfg = _gemm.pick_config(M, N, a.shape[1])
+                _gemm.gemm_kernel(N, a.shape[1], bias is not None, act, cfg, out.dtype, a.dtype)(a, w, b, out)
         else:
             out.copy_(_gemm.gemm_ref(a, w, bias, act, out.dtype))
         self._done(tok)
@@ -373,7 +398,8 @@ class FastForward:
     def _fused_rope(self, M: int) -> bool:
         """Whether Wqkv's GEMM rotates Q and K in its epilogue at M tokens (both ops TileLang, a 64-wide tile)."""
         return (self.ops["gemm"] == "tilelang" and self.ops["rope"] == "tilelang"
-                and _gemm.pick_config(M, 3 * self.d, self.d).bn % 64 == 0)
+                and (_gm.pick(M, 3 * self.d, self.act_dtype, self.act_dtype) is not None
+                     or _gemm.pick_config(M, 3 * self.d, self.d).bn % 64 == 0))
 
     def _qkv(self, a, ly, pos, table, out):
         """Wqkv and RoPE: one GEMM with a rotating epilogue, or the GEMM then the RoPE op."""
@@ -383,17 +409,26 @@ class FastForward:
             return
         tok = self._mark("gemm %dx%d+rope" % (ly.wqkv.shape[0], a.shape[1]))
         N, K = ly.wqkv.shape
-        cfg = _gemm.pick_config(a.shape[0], N, K)
         b = ly.bqkv if ly.bqkv is not None else self._zero_bias[:N]
-        _gemm.gemm_kernel(N, K, ly.bqkv is not None, "none", cfg, out.dtype, a.dtype, 2 * self.d)(
-            a, ly.wqkv, b, out, pos, table[0], table[1])
+        ws = _gm.pick(a.shape[0], N, a.dtype, out.dtype)
+        if ws is not None:
+            kern = _gm.gemm_manual_kernel(N, K, ws, ly.bqkv is not None, "none", 2 * self.d, False, a.dtype)
+        else:
+            cfg = _gemm.pick_config(a.shape[0], N, K)
+            kern = _gemm.gemm_kernel(N, K, ly.bqkv is not None, "none", cfg, out.dtype, a.dtype, 2 * self.d)
+        kern(a, ly.wqkv, b, out, pos, table[0], table[1])
         self._done(tok)
 
     def _geglu(self, a, wi, out):
         tok = self._mark("geglu %dx%d" % (wi.shape[0] // 2, a.shape[1]))
         if self.ops["geglu"] == "tilelang":
-            cfg = _geglu.pick_config(a.shape[0], wi.shape[0] // 2, a.shape[1])
-            _geglu.geglu_kernel(wi.shape[0] // 2, a.shape[1], cfg, a.dtype)(a, wi, out)
+            Fd = wi.shape[0] // 2
+            ws = _gm.pick(a.shape[0], Fd, a.dtype, out.dtype, geglu=True)
+            if ws is not None:
+                _gm.gemm_manual_kernel(Fd, a.shape[1], ws, False, "none", 0, True, a.dtype)(a, wi, out)
+            else:
+                cfg = _geglu.pick_config(a.shape[0], Fd, a.shape[1])
+                _geglu.geglu_kernel(Fd, a.shape[1], cfg, a.dtype)(a, wi, out)
         else:
             out.copy_(_geglu.geglu_ref(a, wi))
         self._done(tok)

@@ -16,6 +16,7 @@ import torch
 from . import attention as _attn
 from . import geglu as _geglu
 from . import gemm as _gemm
+from . import gemm_manual as _gm
 from . import layernorm as _ln
 from .forward import compile_specs, kernel_specs
 
@@ -93,6 +94,10 @@ def sweep_specs(shape: str = "modernbert-large") -> list[tuple[str, tuple]]:
                 ("gemm", (d, ffn, True, "none", c, BF))]
     for c in _attn.CANDIDATES:
         out += [("attention", (dims["heads"], w, c)) for w in (0, 64)]
+    # the hand-warp-specialised kernels the forward runs, timed beside the candidates (bf16)
+    for name, N, K in gemm_shapes(d, dims["inter"], ffn):
+        out.append(("gemm_ws", (N, K, _gm.GEGLU if name == "wi_geglu" else _gm.GEMM, False, "none", 0,
+                                name == "wi_geglu", BF)))
     # every add+LN the forward launches, per candidate (a winner serves all of them)
     for c in SWEEP_LN:
         out += [("add_ln", (d, m, False, 1e-5, BF, c)) for m in ("add", "inplace", "add_inplace")]
@@ -121,6 +126,22 @@ def test_specs() -> list[tuple[str, tuple]]:
     out.append(("rope", (16,)))
     for c in _attn.CANDIDATES:
         out += [("attention", (16, w, c)) for w in (0, 64)] + [("attention", (2, 0, c))]
+    return out + manual_test_specs()
+
+
+def manual_test_specs() -> list[tuple[str, tuple]]:
+    """The kernels tests/test_gemm_manual.py runs."""
+    from dataclasses import replace
+
+    cfgs = (_gm.GEMM, replace(_gm.GEMM, inflight=1), _gm.GemmWSConfig(stages=4),
+            _gm.GemmWSConfig(stages=3, persistent=132))
+    prods = [(3072, 1024, False, "none"), (1024, 2624, False, "none"), (4096, 1024, True, "relu"),
+             (1024, 1024, True, "gelu"), (1024, 1000, False, "none")]
+    out = [("gemm_ws", (N, K, c, b, a, 0, False, BF)) for c in cfgs for N, K, b, a in prods]
+    out += [("gemm_ws", (3072, 1024, _gm.GEMM, False, "none", 2048, False, BF))]
+    out += [("gemm_ws", (2624, 1024, replace(_gm.GEGLU, inflight=i), False, "none", 0, True, BF)) for i in (0, 1)]
+    out += [("gemm_ws", (1024, 1024, _gm.GEMM, True, "none", 0, False, torch.float16)),
+            ("gemm_ws", (2624, 1024, _gm.GEGLU, False, "none", 0, True, torch.float16))]
     return out
 
 

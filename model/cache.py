@@ -168,7 +168,7 @@ CODE_FILES = {
     # the files whose code becomes kernel code (kernels/forward.py and precompile.py only choose and launch kernels,
     # whose names carry every parameter and tile config, so editing them keeps every compiled kernel valid)
     "kernels": ("kernels/_tl.py", "kernels/gemm.py", "kernels/geglu.py", "kernels/layernorm.py", "kernels/attention.py",
-                "kernels/rope.py"),
+                "kernels/rope.py", "kernels/gemm_manual.py"),
 }
 
 

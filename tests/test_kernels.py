@@ -133,8 +133,8 @@ def test_fp16_kernels_compile_for_hopper_with_half_operands(monkeypatch):
     rp = rope.rope_kernel(16, dtype=f16).get_kernel_source()
     assert "half_t" in rp and "bfloat16_t" not in rp
     bf = attention.attention_kernel(16, 64, attention.DEFAULT).get_kernel_source()
-    assert "kBFloat16" in bf and "lf_attn_h16_w64_c64x64s1t128gn_kernel" in bf
-    assert "lf_attn_h16_w64_c64x64s1t128gn_ifloat16_kernel" in at
+    assert "kBFloat16" in bf and "lf_attn_h16_w64_c64x64s1t128gnl_kernel" in bf
+    assert "lf_attn_h16_w64_c64x64s1t128gnl_ifloat16_kernel" in at
 
 
 @needs_tilelang
@@ -145,14 +145,20 @@ def test_attention_without_warp_specialisation_compiles_for_hopper(monkeypatch, 
     import re
 
     monkeypatch.setenv("LAYA_FLEET_TL_ARCH", "sm_90a")
-    cfg = attention.DEFAULT
-    assert not cfg.ws
+    cfg = attention.UNSPECIALISED
+    assert not cfg.ws and attention.DEFAULT == attention.LEAN
     src = attention.attention_kernel(16, window, cfg).get_kernel_source()
     assert re.findall(r"__launch_bounds__\((\d+)", src) == [str(cfg.threads)]
     assert "reg_alloc" not in src and "wgmma" in src and "cp_async" in src
     ws = attention.attention_kernel(16, window, attention.WARP_SPECIALISED).get_kernel_source()
     assert re.findall(r"__launch_bounds__\((\d+)", ws) == [str(attention.WARP_SPECIALISED.threads + 128)]
     assert "reg_alloc" in ws
+    # the lean form: the QK^T product starts from zero itself (the first wgmma of each block does not accumulate)
+    # instead of a separate clear, under a kernel name of its own
+    lean = attention.attention_kernel(16, window, attention.LEAN).get_kernel_source()
+    assert re.findall(r"__launch_bounds__\((\d+)", lean) == [str(attention.LEAN.threads)]
+    assert "(0 < ki) ? 1 : 0" in lean and "(0 < ki) ? 1 : 0" not in src
+    assert "lf_attn_h16_w%d_c64x64s1t128gnl_kernel" % window in lean
 
 
 @needs_tilelang
@@ -511,7 +517,8 @@ def test_attention_every_length_up_to_1024():
     qkv, cu = _packed_qkv(lengths, 2, seed=3, device=DEV)
     qkv = qkv.bfloat16()
     tiles = torch.from_numpy(attention.tile_table(lengths, attention.DEFAULT.bm)).to(DEV)
-    for window in (0, 64):
-        out = _poison(qkv.shape[0], 128)
-        attention.attention(qkv, cu, tiles, 2, window, out=out)
-        _close(out, attention.attention_ref(qkv, cu, 2, window), 1e-2)
+    for cfg in (attention.UNSPECIALISED, attention.LEAN):
+        for window in (0, 64):
+            out = _poison(qkv.shape[0], 128)
+            attention.attention(qkv, cu, tiles, 2, window, out=out, cfg=cfg)
+            _close(out, attention.attention_ref(qkv, cu, 2, window), 1e-2)

@@ -1,0 +1,173 @@
+"""The hand-warp-specialised GEMMs (kernels/gemm_manual.py): what the forward picks, that every form compiles for
+sm_90a with the structure it claims (needs tilelang, no GPU), and every form against the references at awkward
+sizes (GPU): rows not a multiple of the tile, more tiles than persistent blocks, a K tail, N not a multiple of the
+tile (GeGLU's 2624), fp16."""
+
+import importlib.util
+import re
+
+import pytest
+import torch
+
+from kernels import forward, geglu, gemm, rope
+from kernels import gemm_manual as gm
+from tests.test_kernels import _close, _poison
+
+HAS_TILELANG = importlib.util.find_spec("tilelang") is not None
+needs_tilelang = pytest.mark.skipif(not HAS_TILELANG, reason="needs tilelang")
+BF, F16 = torch.bfloat16, torch.float16
+
+
+def test_configs_and_tags():
+    assert gm.GEMM.tag() == "128x256x64s4p132w0" and gm.GEMM.epilogue() == "chunk"
+    assert gm.GEGLU.tag() == "128x128x64s4p132w0" and gm.GEGLU.epilogue(2) == "full"
+    assert gm.GemmWSConfig(stages=4).epilogue() == "alias"
+    gm.check_config(gm.GEGLU, 2)
+    with pytest.raises(ValueError, match="shared memory"):
+        gm.check_config(gm.GemmWSConfig(bm=256, bn=256, stages=4, persistent=132))
+    with pytest.raises(ValueError, match="two accumulators"):
+        gm.check_config(gm.GemmWSConfig(stages=2, persistent=132), 2)   # 64 x 256 of each half: 256 registers
+
+
+def test_pick(monkeypatch):
+    """Many rows of a 16-bit product on Hopper: the manual kernels; few rows, an fp32 output (the scorer's last
+    layer), another GPU or LAYA_FLEET_MANUAL_GEMM=0: the other kernels."""
+    monkeypatch.setenv("LAYA_FLEET_TL_ARCH", "sm_90a")
+    monkeypatch.delenv("LAYA_FLEET_MANUAL_GEMM", raising=False)
+    monkeypatch.setattr(gm, "sm_count", lambda: 132)
+    assert gm.pick(gemm.SMALL_M + 1, 3072, BF, BF) == gm.GEMM
+    assert gm.pick(65536, 2624, F16, F16, geglu=True) == gm.GEGLU
+    assert gm.pick(gemm.SMALL_M, 3072, BF, BF) is None
+    assert gm.pick(4096, 16, BF, torch.float32) is None
+    monkeypatch.setattr(gm, "sm_count", lambda: 114)   # an H100 PCIe: one block per SM there
+    assert gm.pick(4096, 1024, BF, BF).persistent == 114
+    monkeypatch.setenv("LAYA_FLEET_MANUAL_GEMM", "0")
+    assert gm.pick(4096, 1024, BF, BF) is None
+    monkeypatch.setenv("LAYA_FLEET_MANUAL_GEMM", "1")
+    monkeypatch.setenv("LAYA_FLEET_TL_ARCH", "sm_80")
+    assert gm.pick(4096, 1024, BF, BF) is None
+
+
+def test_the_forward_lists_manual_kernels_for_many_rows_only(monkeypatch):
+    monkeypatch.setenv("LAYA_FLEET_TL_ARCH", "sm_90a")
+    monkeypatch.setattr(gm, "sm_count", lambda: 132)
+    dims = dict(d=1024, heads=16, inter=2624, ffn=4096, windows={0, 64})
+    specs = forward.kernel_specs(**dims)
+    ws = [a for op, a in specs if op == "gemm_ws"]
+    assert len(ws) == 9 and sum(1 for a in ws if a[6]) == 1       # 8 products (Wqkv with RoPE) and the GeGLU
+    assert [a[5] for a in ws if a[5]] == [2048]
+    assert [a[2] for op, a in specs if op == "geglu"] == [geglu.SMALL]   # no large-tile auto GeGLU left
+    assert [a for op, a in specs if op == "gemm" and a[4] == gemm.SMALL]     # few rows keep the SMALL tiles
+    # every spec maps to an op the backend's `ops` option switches (a manual spec to gemm, or geglu)
+    assert {forward.spec_op(sp) for sp in specs} == set(forward.OPS)
+    assert sorted(forward.spec_op(("gemm_ws", a)) for a in ws) == ["geglu"] + ["gemm"] * 8
+    monkeypatch.setenv("LAYA_FLEET_MANUAL_GEMM", "0")
+    assert not [a for op, a in forward.kernel_specs(**dims) if op == "gemm_ws"]
+
+
+# -- compile only (tilelang, no GPU) -----------------------------------------------------------
+@needs_tilelang
+def test_manual_kernels_compile_for_hopper(monkeypatch):
+    """One producer warpgroup (TMA loads, registers given back) and two consumer warpgroups (wgmma, registers
+    taken) in 384 threads; the output leaves through TMA stores only; the persistent form walks the tiles in waves
+    of 132 blocks; the RoPE form rotates only heads below rope_cols; the GeGLU form loads both halves of Wi."""
+    monkeypatch.setenv("LAYA_FLEET_TL_ARCH", "sm_90a")
+    for cfg in (gm.GEMM, gm.GemmWSConfig(stages=4), gm.GemmWSConfig(stages=3, persistent=132)):
+        src = gm.gemm_manual_kernel(3072, 1024, cfg).get_kernel_source()
+        assert re.findall(r"__launch_bounds__\((\d+)", src) == ["384"]
+        assert "warpgroup_reg_dealloc<%d>" % gm.PRODUCER_REGS in src
+        assert "warpgroup_reg_alloc<%d>" % gm.CONSUMER_REGS in src
+        assert "tma_load(" in src and "tma_store(" in src and "wgmma_ss" in src
+        assert not re.search(r"\* __restrict__ C\b", src)   # C only through its tensor map
+        assert ("* 132)" in src) == bool(cfg.persistent)
+    one = gm.gemm_manual_kernel(3072, 1024, gm.GemmWSConfig(stages=4, persistent=132, inflight=1)).get_kernel_source()
+    assert "wait_wgmma<1>" in one   # one batch in flight: the previous step's stage released after it
+    rs = gm.gemm_manual_kernel(3072, 1024, gm.GEMM, rope_cols=2048).get_kernel_source()
+    assert "Cos" in rs and "Sin" in rs and "_r2048" in rs and "% 12) < 8" in rs   # 8 of 12 column tiles rotate
+    gs = gm.gemm_manual_kernel(2624, 1024, gm.GEGLU, geglu=True).get_kernel_source()
+    assert "erff" in gs and "lf_geglu_ws" in gs and gs.count("tma_load(Wi_desc") == 2
+    bs = gm.gemm_manual_kernel(4096, 1024, gm.GEMM, bias=True, act="relu", dtype=F16).get_kernel_source()
+    assert "Bias" in bs and "kFloat16" in bs and "_ifloat16_b1_arelu" in bs
+    with pytest.raises(ValueError, match="RoPE"):
+        gm.build_gemm_manual(3072, 1024, gm.GemmWSConfig(stages=3, persistent=132), rope_cols=2048)
+
+
+# -- GPU ----------------------------------------------------------------------------------------
+gpu = pytest.mark.gpu
+DEV = "cuda"
+
+
+CFGS = {"default": gm.GEMM, "inflight": gm.GemmWSConfig(stages=4, persistent=132, inflight=1),
+        "alias": gm.GemmWSConfig(stages=4), "full": gm.GemmWSConfig(stages=3, persistent=132)}
+
+
+@gpu
+@needs_tilelang
+@pytest.mark.parametrize("M", [1, 77, 257, 4099, 40000])
+@pytest.mark.parametrize("N,K,bias,act", [(3072, 1024, False, "none"), (1024, 2624, False, "none"),
+                                          (4096, 1024, True, "relu"), (1024, 1024, True, "gelu"),
+                                          (1024, 1000, False, "none")])
+@pytest.mark.parametrize("cfg", list(CFGS))
+def test_manual_gemm(M, N, K, bias, act, cfg):
+    """Every row checked (NaN-filled output); 40000 rows: 313 x 4..16 tiles over 132 blocks; K = 1000: a partial
+    last k-step (zero-filled by TMA)."""
+    a = torch.randn(M, K, device=DEV).bfloat16()
+    w = (torch.randn(N, K, device=DEV) * K ** -0.5).bfloat16()
+    b = torch.randn(N, device=DEV) if bias else gemm._zeros(N, DEV)
+    out = _poison(M, N)
+    gm.gemm_manual_kernel(N, K, CFGS[cfg], bias, act)(a, w, b, out)
+    _close(out, gemm.gemm_ref(a, w, b if bias else None, act), 1e-2)
+
+
+@gpu
+@needs_tilelang
+@pytest.mark.parametrize("M", [1, 77, 4099, 40000])
+def test_manual_gemm_with_rope_equals_gemm_then_rope(M):
+    """The fused Wqkv form gives what the plain manual GEMM followed by the RoPE kernel gives (the same rounding
+    of the product before the rotation); V columns untouched."""
+    heads = 16
+    a = torch.randn(M, 1024, device=DEV).bfloat16()
+    w = (torch.randn(3072, 1024, device=DEV) * 1024 ** -0.5).bfloat16()
+    pos = torch.randint(0, 512, (M,), device=DEV, dtype=torch.int32)
+    cos, sin = rope.rope_tables(160000.0, 512, DEV)
+    z = gemm._zeros(3072, DEV)
+    two_step = _poison(M, 3072)
+    gm.gemm_manual_kernel(3072, 1024, gm.GEMM)(a, w, z, two_step)
+    rope.rope(two_step, pos, cos, sin, heads)
+    fused = _poison(M, 3072)
+    gm.gemm_manual_kernel(3072, 1024, gm.GEMM, rope_cols=2048)(a, w, z, fused, pos, cos, sin)
+    assert torch.isfinite(fused.float()).all()
+    torch.testing.assert_close(fused.float(), two_step.float(), atol=1e-2, rtol=1e-2)
+    assert (fused != two_step).float().mean() < 0.01   # at most an ulp here and there (fma contraction)
+    assert torch.equal(fused[:, 2048:], two_step[:, 2048:])
+    _close(fused, rope.rope_ref(gemm.gemm_ref(a, w), pos, cos, sin, heads), 1e-2)
+
+
+@gpu
+@needs_tilelang
+@pytest.mark.parametrize("M", [1, 77, 4099, 40000])
+@pytest.mark.parametrize("inflight", [0, 1])
+def test_manual_geglu(M, inflight):
+    """F = 2624 is 20.5 tiles of 128: the last tile's extra columns read gate rows or zeros, never stored."""
+    from dataclasses import replace
+
+    a = torch.randn(M, 1024, device=DEV).bfloat16()
+    wi = (torch.randn(2 * 2624, 1024, device=DEV) / 32).bfloat16()
+    out = _poison(M, 2624)
+    gm.gemm_manual_kernel(2624, 1024, replace(gm.GEGLU, inflight=inflight), geglu=True)(a, wi, out)
+    _close(out, geglu.geglu_ref(a, wi), 1.5e-2)
+
+
+@gpu
+@needs_tilelang
+def test_manual_kernels_in_fp16():
+    a = torch.randn(3000, 1024, device=DEV).half()
+    w = (torch.randn(1024, 1024, device=DEV) / 32).half()
+    b = torch.randn(1024, device=DEV)
+    out = _poison(3000, 1024, dtype=F16)
+    gm.gemm_manual_kernel(1024, 1024, gm.GEMM, True, "none", dtype=F16)(a, w, b, out)
+    _close(out, gemm.gemm_ref(a, w, b), 1e-2)
+    wi = (torch.randn(2 * 2624, 1024, device=DEV) / 32).half()
+    g = _poison(3000, 2624, dtype=F16)
+    gm.gemm_manual_kernel(2624, 1024, gm.GEGLU, geglu=True, dtype=F16)(a, wi, g)
+    _close(g, geglu.geglu_ref(a, wi), 1.5e-2)
