@@ -175,7 +175,7 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
             T.barrier_arrive(full[s])
 
     @T.macro
-    def epilogue(C, Bias, C_l, Cx_l, Cg_s, Pos, Cos, Sin, by, bx, grp):
+    def epilogue(C, Bias, C_l, Cx_l, Cg_s, Cs_l, Sn_l, by, bx, grp):
         r0 = by * bm + grp * hm
         if epi == "chunk":
             # EPI_COLS columns at a time through a double buffer (each store is its own bulk group): before a
@@ -202,11 +202,10 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
                         # halves of its pairs before writing them, other threads' writes are behind the barrier
                         T.sync_threads(EPI_BARRIER + grp, 128)
                         for i, d in T.Parallel(hm, 32):
-                            p = Pos[T.min(r0 + i, M - 1)]   # rows past M are never stored
                             x0 = T.Cast(F32, Cg_s[c % 2, i, d])
                             x1 = T.Cast(F32, Cg_s[c % 2, i, d + 32])
-                            Cg_s[c % 2, i, d] = T.Cast(DT, x0 * Cos[p, d] - x1 * Sin[p, d])
-                            Cg_s[c % 2, i, d + 32] = T.Cast(DT, x1 * Cos[p, d] + x0 * Sin[p, d])
+                            Cg_s[c % 2, i, d] = T.Cast(DT, x0 * Cs_l[i, d] - x1 * Sn_l[i, d])
+                            Cg_s[c % 2, i, d + 32] = T.Cast(DT, x1 * Cs_l[i, d] + x0 * Sn_l[i, d])
                 T.fence_proxy_async()
                 T.sync_threads(EPI_BARRIER + grp, 128)
                 T.tma_copy(Cg_s[c % 2, :, :], C[r0:r0 + hm, bx * bn + c * EPI_COLS:bx * bn + (c + 1) * EPI_COLS])
@@ -240,7 +239,16 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
                 T.tma_copy(Cg_s, C[r0:r0 + hm, bx * bn:(bx + 1) * bn])
 
     @T.macro
-    def consume(C, Bias, Ag_s, W_s, Wg_s, C_l, Cx_l, Cg_s, full, empty, Pos, Cos, Sin, by, bx, it, grp, lane):
+    def consume(C, Bias, Ag_s, W_s, Wg_s, C_l, Cx_l, Cg_s, Cs_l, Sn_l, full, empty, Pos, Cos, Sin, by, bx, it, grp,
+                lane):
+        if rope_cols:
+            if bx * bn < rope_cols:
+                # this tile's cosines and sines (one pair per row and frequency, shared by its heads), loaded before
+                # the main loop so their latency hides behind it rather than stalling each head's rotation
+                for i, d in T.Parallel(hm, 32):
+                    p = Pos[T.min(by * bm + grp * hm + i, M - 1)]   # rows past M are never stored
+                    Cs_l[i, d] = Cos[p, d]
+                    Sn_l[i, d] = Sin[p, d]
         for k in T.serial(k_iters):
             g = it * k_iters + k
             s = g % S
@@ -268,20 +276,20 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
         T.warpgroup_fence_operand(C_l, num_regs=acc_regs)
         if geglu:
             T.warpgroup_fence_operand(Cx_l, num_regs=acc_regs)
-        epilogue(C, Bias, C_l, Cx_l, Cg_s, Pos, Cos, Sin, by, bx, grp)
+        epilogue(C, Bias, C_l, Cx_l, Cg_s, Cs_l, Sn_l, by, bx, grp)
 
     @T.macro
-    def consumer(C, Bias, Ag_s, W_s, Wg_s, C_l, Cx_l, Cg_s, full, empty, Pos, Cos, Sin, ids, grp, lane):
+    def consumer(C, Bias, Ag_s, W_s, Wg_s, C_l, Cx_l, Cg_s, Cs_l, Sn_l, full, empty, Pos, Cos, Sin, ids, grp, lane):
         T.set_max_nreg(CONSUMER_REGS, 1)
         if P:
             for w in T.serial(n_waves):
                 t = w * P + ids
                 if t < n_tiles:
-                    consume(C, Bias, Ag_s, W_s, Wg_s, C_l, Cx_l, Cg_s, full, empty, Pos, Cos, Sin, t // nbn, t % nbn,
-                            w, grp, lane)
+                    consume(C, Bias, Ag_s, W_s, Wg_s, C_l, Cx_l, Cg_s, Cs_l, Sn_l, full, empty, Pos, Cos, Sin,
+                            t // nbn, t % nbn, w, grp, lane)
         else:
-            consume(C, Bias, Ag_s, W_s, Wg_s, C_l, Cx_l, Cg_s, full, empty, Pos, Cos, Sin, ids[1], ids[0], 0, grp,
-                    lane)
+            consume(C, Bias, Ag_s, W_s, Wg_s, C_l, Cx_l, Cg_s, Cs_l, Sn_l, full, empty, Pos, Cos, Sin, ids[1], ids[0],
+                    0, grp, lane)
         T.tma_store_wait(0)   # the staging tile (shared memory) must outlive the last store's reads
 
     @T.macro
@@ -306,6 +314,7 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
             C1_l = T.alloc_fragment((hm, bn), F32)
             C0x_l = T.alloc_fragment((hm, bn), F32) if geglu else None
             C1x_l = T.alloc_fragment((hm, bn), F32) if geglu else None
+            cs = [T.alloc_fragment((hm, 32), F32) for _ in range(4)] if rope_cols else [None] * 4
             full = T.alloc_barrier([PRODUCER_THREADS] * S)
             empty = T.alloc_barrier([CONSUMER_WARPS] * S)
             ring = (A0_s, A1_s, W_s) + ((Wg_s,) if geglu else ())
@@ -325,9 +334,11 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
                 else:
                     produce(A, W, A0_s, A1_s, W_s, Wg_s, full, empty, ids[1], ids[0], 0)
             elif tx < PRODUCER_THREADS + 128:
-                consumer(C, Bias, A0_s, W_s, Wg_s, C0_l, C0x_l, C0_s, full, empty, Pos, Cos, Sin, ids, 0, lane)
+                consumer(C, Bias, A0_s, W_s, Wg_s, C0_l, C0x_l, C0_s, cs[0], cs[1], full, empty, Pos, Cos, Sin, ids, 0,
+                         lane)
             else:
-                consumer(C, Bias, A1_s, W_s, Wg_s, C1_l, C1x_l, C1_s, full, empty, Pos, Cos, Sin, ids, 1, lane)
+                consumer(C, Bias, A1_s, W_s, Wg_s, C1_l, C1x_l, C1_s, cs[2], cs[3], full, empty, Pos, Cos, Sin, ids, 1,
+                         lane)
 
     if geglu:
         @T.prim_func
