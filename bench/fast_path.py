@@ -107,6 +107,31 @@ def bench_gpu(fn, reps: int = 30) -> float:
 
 
 # -- sections ------------------------------------------------------------------------------------
+def check_and_time(k, name: str, a, w, out, ref, flops: float) -> dict:
+    """One GEMM kernel (GeGLU's signature for wi_geglu) on a NaN-filled output: its error against `ref` relative to
+    ref's norm, and its GPU time."""
+    import torch
+
+    zb = torch.zeros(w.shape[0] // 2 if name == "wi_geglu" else w.shape[0], device=a.device)
+    call = (lambda: k(a, w, out)) if name == "wi_geglu" else (lambda: k(a, w, zb, out))
+    out.fill_(float("nan"))
+    call()
+    err = float((out.float() - ref.float()).norm()) / float(ref.float().norm())
+    t = bench_gpu(call)
+    return {"ms": t, "tflops": flops / t / 1e9, "rel_err": err}
+
+
+def check_and_time_rope(kr, a, w, out, pos, cos, sin, ref_rope) -> dict:
+    """A Wqkv kernel with its RoPE epilogue: error against the rotated reference, and its GPU time."""
+    import torch
+
+    zb = torch.zeros(w.shape[0], device=a.device)
+    out.fill_(float("nan"))
+    kr(a, w, zb, out, pos, cos, sin)
+    return {"rope_rel_err": float((out.float() - ref_rope).norm() / ref_rope.norm()),
+            "rope_ms": bench_gpu(lambda: kr(a, w, zb, out, pos, cos, sin))}
+
+
 def section_gemm(res: dict, dims: dict, M: int) -> None:
     """Each GEMM shape: torch.matmul vs every TileLang candidate at M rows; picks winners; GEMM floor."""
     import torch
@@ -131,7 +156,6 @@ def section_gemm(res: dict, dims: dict, M: int) -> None:
         ref = torch.matmul(a, w.t())
         if name == "wi_geglu":
             ref = (torch.nn.functional.gelu(ref[:, :N].float()) * ref[:, N:].float()).bfloat16()
-        ref_norm = float(ref.float().norm())
         out = torch.empty(M, N, device=dev, dtype=torch.bfloat16)
         cands = []
         if name == "wqkv":   # the forward runs Wqkv with its RoPE epilogue: timed too, and that picks its tile
@@ -143,21 +167,10 @@ def section_gemm(res: dict, dims: dict, M: int) -> None:
         for cfg in (SWEEP_GEGLU if name == "wi_geglu" else SWEEP_GEMM):
             try:
                 k = G.geglu_kernel(N, Kd, cfg) if name == "wi_geglu" else K.gemm_kernel(N, Kd, False, "none", cfg)
-                zb = torch.zeros(N, device=dev)
-                call = (lambda k=k, a=a, w=w, out=out: k(a, w, out)) if name == "wi_geglu" else \
-                    (lambda k=k, a=a, w=w, out=out, zb=zb: k(a, w, zb, out))
-                out.fill_(float("nan"))
-                call()
-                err = float((out.float() - ref.float()).norm()) / ref_norm
-                t = bench_gpu(call)
-                cands.append({"cfg": cfg.tag(), "ms": t, "tflops": flops / t / 1e9, "rel_err": err, "_cfg": cfg})
+                cands.append({"cfg": cfg.tag(), **check_and_time(k, name, a, w, out, ref, flops), "_cfg": cfg})
                 if name == "wqkv" and cfg.bn % 64 == 0:
-                    kr = K.gemm_kernel(N, Kd, False, "none", cfg, rope_cols=2 * d)
-                    out.fill_(float("nan"))
-                    kr(a, w, zb, out, pos, cos, sin)
-                    cands[-1]["rope_rel_err"] = float((out.float() - ref_rope).norm() / ref_rope.norm())
-                    cands[-1]["rope_ms"] = bench_gpu(lambda kr=kr, a=a, w=w, out=out, zb=zb, r=(pos, cos, sin):
-                                                     kr(a, w, zb, out, *r))
+                    cands[-1].update(check_and_time_rope(K.gemm_kernel(N, Kd, False, "none", cfg, rope_cols=2 * d),
+                                                         a, w, out, pos, cos, sin, ref_rope))
             except Exception as e:  # a config that does not compile or run is reported, not fatal
                 cands.append({"cfg": cfg.tag(), "error": "%s: %s" % (type(e).__name__, e)})
         ws = GM.pick(M, N, torch.bfloat16, torch.bfloat16, geglu=name == "wi_geglu")
@@ -165,21 +178,10 @@ def section_gemm(res: dict, dims: dict, M: int) -> None:
             tag = "ws:" + ws.tag()
             try:
                 k = GM.gemm_manual_kernel(N, Kd, ws, geglu=name == "wi_geglu")
-                zb = torch.zeros(N, device=dev)
-                call = (lambda k=k, a=a, w=w, out=out: k(a, w, out)) if name == "wi_geglu" else \
-                    (lambda k=k, a=a, w=w, out=out, zb=zb: k(a, w, zb, out))
-                out.fill_(float("nan"))
-                call()
-                err = float((out.float() - ref.float()).norm()) / ref_norm
-                t = bench_gpu(call)
-                cands.append({"cfg": tag, "ms": t, "tflops": flops / t / 1e9, "rel_err": err, "manual": True})
+                cands.append({"cfg": tag, **check_and_time(k, name, a, w, out, ref, flops), "manual": True})
                 if name == "wqkv":
-                    kr = GM.gemm_manual_kernel(N, Kd, ws, rope_cols=2 * d)
-                    out.fill_(float("nan"))
-                    kr(a, w, zb, out, pos, cos, sin)
-                    cands[-1]["rope_rel_err"] = float((out.float() - ref_rope).norm() / ref_rope.norm())
-                    cands[-1]["rope_ms"] = bench_gpu(lambda kr=kr, a=a, w=w, out=out, zb=zb, r=(pos, cos, sin):
-                                                     kr(a, w, zb, out, *r))
+                    cands[-1].update(check_and_time_rope(GM.gemm_manual_kernel(N, Kd, ws, rope_cols=2 * d),
+                                                         a, w, out, pos, cos, sin, ref_rope))
             except Exception as e:
                 cands.append({"cfg": tag, "error": "%s: %s" % (type(e).__name__, e), "manual": True})
         ok = [c for c in cands if "ms" in c and c["rel_err"] < 2e-2]
@@ -945,7 +947,10 @@ def main(argv=None) -> int:
     budget = Budget(a.budget_s)
     res: dict = {"date": dt.date.today().isoformat(),
                  "gpu": torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu (dry run)",
-                 "torch": torch.__version__, "args": vars(a)}
+                 "torch": torch.__version__, "args": vars(a),
+                 # LAYA_FLEET_COMMIT first: the GPU machine's copy of the checkout can carry stale git metadata
+                 "commit": os.environ.get("LAYA_FLEET_COMMIT") or subprocess.run(
+                     ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()}
     try:
         from kernels import _tl
 

@@ -1,26 +1,32 @@
-"""Experimental Hopper GEMM with hand-written warp specialisation: C[M,N] = A[M,K] @ W[N,K]^T (bf16 in/out, fp32
-accumulation), the same signature as `kernels.gemm.build_gemm` without bias, activation or RoPE.
+"""Hopper GEMMs with hand-written warp specialisation: C[M,N] = act(A[M,K] @ W[N,K]^T + bias) (16-bit in/out,
+fp32 accumulation), optionally with Wqkv's RoPE in the epilogue, or ModernBERT's GeGLU (two accumulators from one A
+tile). What the forward (kernels/forward.py) runs on sm_90a for more than gemm.SMALL_M rows (`pick`;
+LAYA_FLEET_MANUAL_GEMM=0 goes back to kernels/gemm.py and kernels/geglu.py).
 
 Why by hand: TileLang's automatic warp specialisation (kernels/gemm.py) waits for every wgmma batch with
-`warpgroup_wait<0>` before it releases the shared-memory stage, so the tensor pipe drains at every k-step, and
-it refuses delayed waits ("AutoWarpSpecialization skipped: gemm with wg_wait != 0"). Here, CUTLASS's
-"warp-specialised cooperative" schedule is written out:
+`warpgroup_wait<0>` before it releases the shared-memory stage, refuses delayed waits ("AutoWarpSpecialization
+skipped: gemm with wg_wait != 0"), and its persistent form (T.Persistent) did not overlap a tile's epilogue with the
+next tile's loads on the H200. Here, CUTLASS's "warp-specialised cooperative" schedule is written out:
 
 * warpgroup 0 (threads 0-127) is the producer: `setmaxnreg` down to `PRODUCER_REGS`, and for each k-step it
   waits for the stage's `empty` mbarrier, then issues the TMA loads of A (two halves, one per consumer) and W
-  into that stage and arrives on its `full` mbarrier (expect_tx accounts the bytes);
+  (both halves of Wi for GeGLU) into that stage and arrives on its `full` mbarrier (expect_tx accounts the bytes);
 * warpgroups 1 and 2 are consumers, `setmaxnreg` up to `CONSUMER_REGS`, each owning bm/2 rows x bn columns of
-  the tile in an fp32 fragment. Each k-step: wait `full[s]`, issue the async wgmma batch for stage s, then
-  `wgmma.wait_group 1` (the PREVIOUS batch only) and release the previous stage's `empty` barrier, so one batch
-  is always in flight; after the loop `wait_group 0` and the last stage is released;
-* epilogue per consumer: fragment -> bf16 shared tile -> one TMA store (it clips rows >= M at the tensor
-  bound, and TMA loads zero-fill past M, so any runtime M works).
+  the tile in an fp32 fragment (two for GeGLU). Each k-step: wait `full[s]`, issue the async wgmma batch for stage
+  s, then (inflight=1) `wgmma.wait_group 1` (the PREVIOUS batch only) and release the previous stage's `empty`
+  barrier, or (inflight=0) wait for this batch and release its stage at once;
+* epilogue per consumer: bias / activation / GELU x gate on the fragment, fragment -> 16-bit shared tile -> TMA
+  store (it clips rows >= M and columns >= N at the tensor bound, and TMA loads zero-fill past M and K, so any
+  runtime M works). The RoPE form rotates each staged Q/K head in place from its rounded value with fp32 math (as
+  kernels/rope.py does to the stored output); each tile's cosines and sines are loaded into registers before its
+  main loop, so no global load sits between a head's staging and its store (0.722 -> 0.691 ms at 65536 rows).
 
-`persistent > 0` launches that many blocks (one per SM) that walk the output tiles in row-major tile order
-(tile t -> row block t // nbn, column block t % nbn, so a wave shares W in L2); the stage ring runs on
-across tiles, so the producer loads the next tile while the consumers run this tile's epilogue. Its staging
-tile cannot share memory with the ring (the producer is already filling it): a whole bf16 tile fits beside a
-3-stage 128x256x64 ring; with 4 stages the output goes out 64 columns at a time through a double buffer.
+`persistent > 0` launches that many blocks (one per SM; `pick` uses the device's SM count) that walk the output
+tiles in row-major tile order (tile t -> row block t // nbn, column block t % nbn, so a wave shares W in L2); the
+stage ring runs on across tiles, so the producer loads the next tile while the consumers run this tile's epilogue.
+Its staging tile cannot share memory with the ring (the producer is already filling it): a whole 16-bit tile fits
+beside a 3-stage 128x256x64 ring (and beside GeGLU's 4-stage 128x128x64 one); with a 4-stage 128x256x64 ring the
+output goes out 64 columns (one head) at a time through a double buffer.
 
 Non-persistent, the C staging tile of consumer g aliases that consumer's A half-ring (`stages * bk == bn`,
 e.g. 128x256x64 with 4 stages): once the consumer has waited for its last batch, every load into its A
@@ -29,14 +35,14 @@ half-ring has landed and been read, so the memory is free. (`GemmWSConfig.epilog
 Compiled with TileLang's automatic warp specialisation, pipelining and thread-sync insertion off (the
 synchronisation is all explicit: mbarriers between roles, named barriers inside a consumer warpgroup).
 
-Measured on one H200 (bench/gemm_manual_probe.py, 5 runs; every output bitwise equal to torch.matmul's): the
-persistent 128x256x64 4-stage kernel runs 680-750 TF/s at M = 65536 and 15360, 14-24% above the auto-WS
-GEMM (kernels/gemm.py, 128x256x64s4) at K = 1024 and 5-10% above at K = 2624 / 4096, about torch.matmul's
-speed. The non-persistent kernel is within 2% of the auto-WS one. The gain is the persistence (epilogue
-and next tile's loads overlapped, no per-tile launch and pipeline fill), not the delayed wait: inflight=0
-(wait for each batch, release at once) measured the same or 1-3% faster, since with two consumer warpgroups
-one's wgmma keeps the tensor pipe busy while the other waits, and the delayed release holds one stage
-longer. bk=32 with 8 stages, and 256x128 tiles, were slower.
+Measured on the H200 (bench/gemm_manual_probe.py, 5 runs, every output bitwise equal to torch.matmul's; then
+bench/fast_path.py, eleventh session): the persistent 128x256x64 4-stage kernel runs 680-750 TF/s at M = 65536 and
+15360, 14-24% above the auto-WS GEMM at K = 1024 and 5-10% above at K = 2624 / 4096, at or above torch.matmul;
+the GeGLU form 584-604 TF/s against 543-550 for the auto-WS one. The non-persistent kernel is within 2% of the auto-WS
+one: the gain is the persistence (epilogue and next tile's loads overlapped, no per-tile launch and pipeline fill),
+not the delayed wait: inflight=0 measured the same or 1-3% faster, since with two consumer warpgroups one's wgmma
+keeps the tensor pipe busy while the other waits, and the delayed release holds one stage longer. bk=32 with 8
+stages, and 256x128 tiles, were slower.
 """
 
 import os
