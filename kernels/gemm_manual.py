@@ -51,7 +51,6 @@ from dataclasses import dataclass, replace
 import torch
 
 from . import _tl
-from .gemm import _zeros
 
 PRODUCER_REGS = 40
 CONSUMER_REGS = 232
@@ -423,16 +422,5 @@ def pick(M: int, N: int, in_dtype: torch.dtype, out_dtype: torch.dtype, geglu: b
     return base if base.persistent == n else replace(base, persistent=n)
 
 
-def gemm_manual(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
-                cfg: GemmWSConfig = GemmWSConfig()) -> torch.Tensor:
-    """Run it on CUDA tensors: a[M,K] @ w[N,K]^T as bf16 into `out` (allocated when None)."""
-    M, K = a.shape
-    N = w.shape[0]
-    if out is None:
-        out = torch.empty(M, N, dtype=torch.bfloat16, device=a.device)
-    gemm_manual_kernel(N, K, cfg)(a, w, _zeros(N, a.device), out)   # Bias is not read
-    return out
-
-
-__all__ = ["GemmWSConfig", "GEMM", "GEGLU", "build_gemm_manual", "gemm_manual_kernel", "gemm_manual", "check_config",
+__all__ = ["GemmWSConfig", "GEMM", "GEGLU", "build_gemm_manual", "gemm_manual_kernel", "check_config",
            "enabled", "sm_count", "pick"]
