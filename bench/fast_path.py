@@ -134,6 +134,8 @@ def check_and_time_rope(kr, a, w, out, pos, cos, sin, ref_rope) -> dict:
 
 def section_gemm(res: dict, dims: dict, M: int) -> None:
     """Each GEMM shape: torch.matmul vs every TileLang candidate at M rows; picks winners; GEMM floor."""
+    from dataclasses import replace
+
     import torch
 
     from kernels import geglu as G
@@ -174,13 +176,16 @@ def section_gemm(res: dict, dims: dict, M: int) -> None:
             except Exception as e:  # a config that does not compile or run is reported, not fatal
                 cands.append({"cfg": cfg.tag(), "error": "%s: %s" % (type(e).__name__, e)})
         ws = GM.pick(M, N, torch.bfloat16, torch.bfloat16, geglu=name == "wi_geglu")
-        if ws is not None:   # what the forward runs on Hopper for this many rows (kernels/gemm_manual.py)
-            tag = "ws:" + ws.tag()
+        # what the forward runs on Hopper for this many rows (kernels/gemm_manual.py), then its alternatives
+        for alt in ([] if ws is None else [ws] + [replace(c, persistent=ws.persistent)
+                                                for c in GM.ALTERNATIVES[name == "wi_geglu"]]):
+            tag = "ws:" + alt.tag()
             try:
-                k = GM.gemm_manual_kernel(N, Kd, ws, geglu=name == "wi_geglu")
-                cands.append({"cfg": tag, **check_and_time(k, name, a, w, out, ref, flops), "manual": True})
+                k = GM.gemm_manual_kernel(N, Kd, alt, geglu=name == "wi_geglu")
+                cands.append({"cfg": tag, **check_and_time(k, name, a, w, out, ref, flops), "manual": True,
+                              "_ws": alt})
                 if name == "wqkv":
-                    cands[-1].update(check_and_time_rope(GM.gemm_manual_kernel(N, Kd, ws, rope_cols=2 * d),
+                    cands[-1].update(check_and_time_rope(GM.gemm_manual_kernel(N, Kd, alt, rope_cols=2 * d),
                                                          a, w, out, pos, cos, sin, ref_rope))
             except Exception as e:
                 cands.append({"cfg": tag, "error": "%s: %s" % (type(e).__name__, e), "manual": True})
@@ -192,9 +197,15 @@ def section_gemm(res: dict, dims: dict, M: int) -> None:
         use = min(ok_rope, key=lambda c: c["rope_ms"]) if ok_rope else min(ok, key=lambda c: c["ms"]) if ok else None
         if use is not None:
             (G.TUNED if name == "wi_geglu" else K.TUNED)[(N, Kd)] = use["_cfg"]
-        chosen = manual[0] if manual else use   # what the forward runs
+        if manual:   # the fastest manual config is what the forward (engines built after this section) runs
+            chosen = min(manual, key=lambda c: c.get("rope_ms", c["ms"]))
+            if GM.ALTERNATIVES[name == "wi_geglu"]:
+                GM.TUNED[name == "wi_geglu"] = chosen["_ws"]
+        else:
+            chosen = use
         for c in cands:
             c.pop("_cfg", None)
+            c.pop("_ws", None)
         rows.append({"name": name, "M": M, "N": n_t, "K": Kd, "torch_ms": t_torch,
                      "torch_tflops": flops / t_torch / 1e9,
                      "candidates": cands, "best": best and best["cfg"],
@@ -216,7 +227,8 @@ def section_gemm(res: dict, dims: dict, M: int) -> None:
     log("GEMM floor at M=%d: %.2f ms -> %.0f tok/s" % (M, floor_ms, M / floor_ms * 1e3))
 
 
-def section_attention(res: dict, heads: int, layers: int, global_every: int = 3, head_layers: int = 2):
+def section_attention(res: dict, heads: int, layers: int, global_every: int = 3, head_layers: int = 2,
+                      skip: tuple = ()):
     """Every attention candidate: checked against the reference (padding tiles and empty rows included),
     then timed on ~64k packed tokens of offline-like rows; returns the fastest valid config.
 
@@ -224,13 +236,13 @@ def section_attention(res: dict, heads: int, layers: int, global_every: int = 3,
     its own row, not the benchmark: a child that dies is restarted after the candidate it was on."""
     from kernels import attention as A
 
-    by_tag = {c.tag(): c for c in A.CANDIDATES}
+    by_tag = {c.tag(): c for c in A.CANDIDATES if c.tag() not in skip}
     todo, got = list(by_tag), {}
     while todo:
         cmd = [sys.executable, os.path.abspath(__file__), "--attention-child", ",".join(todo),
                "--heads", str(heads), "--layers", str(layers)]
         try:
-            r = subprocess.run(cmd, capture_output=True, text=True, timeout=150 * len(todo), cwd=ROOT)
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=60 + 40 * len(todo), cwd=ROOT)
             out, err, rc = r.stdout, r.stderr, r.returncode
         except subprocess.TimeoutExpired as e:
             out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
@@ -922,6 +934,7 @@ def main(argv=None) -> int:
     ap.add_argument("--plot", default=None, help="only redraw the PNG from this JSON")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run of the script")
     ap.add_argument("--attention-child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--skip-attention", default="", help="attention candidate tags (comma-separated) not to run")
     ap.add_argument("--heads", type=int, default=16, help=argparse.SUPPRESS)
     ap.add_argument("--layers", type=int, default=28, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -1000,7 +1013,8 @@ def main(argv=None) -> int:
     if "attention" not in a.skip:
         try:
             attn_cfg = section_attention(res, 16 if (a.make or "modernbert-large") == "modernbert-large" else 12,
-                                         28 if (a.make or "modernbert-large") == "modernbert-large" else 22)
+                                         28 if (a.make or "modernbert-large") == "modernbert-large" else 22,
+                                         skip=tuple(t for t in a.skip_attention.split(",") if t))
         except Exception:
             res.setdefault("errors", {})["attention"] = traceback.format_exc()
             log(traceback.format_exc())

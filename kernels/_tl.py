@@ -81,9 +81,13 @@ def is_hopper() -> bool:
     return target()["arch"].startswith("sm_90")
 
 
-def ws_pass_configs(ws: bool) -> dict | None:
-    """The pass configs of a kernel with (None) or without TileLang's automatic warp specialisation."""
-    return None if ws else {"tl.disable_warp_specialized": True}
+def ws_pass_configs(ws: bool, sync: bool = True) -> dict | None:
+    """The pass configs of a kernel with (None) or without TileLang's automatic warp specialisation, and (sync=False)
+    without its automatic thread-sync insertion (a kernel whose synchronisation is all explicit)."""
+    cfg = {} if ws else {"tl.disable_warp_specialized": True}
+    if not sync:
+        cfg["tl.disable_thread_storage_sync"] = True
+    return cfg or None
 
 
 def compile_func(build: Callable[[], Any] | Any, name: str, fast_math: bool = False,

@@ -44,11 +44,21 @@ class AttnConfig:
     # folds into the exponent (one FFMA: exp2(s * c - m * c), the running max kept in raw units), and the QK^T
     # product overwrites its accumulator instead of a separate clear
     lean: bool = False
+    # occupancy: > 0 asks ptxas for that many blocks an SM (__launch_bounds__'s second argument), capping the
+    # registers a thread at 65536 / (occupancy * threads); the unspecialised kernels take ~106 (four blocks an SM)
+    occupancy: int = 0
+    # overlap: FA3's intra-warpgroup pipelining, written out (build_attention_overlap): K and V double-buffered
+    # through TMA and mbarriers, key block j's QK^T issued together with block j-1's PV, and block j's softmax run
+    # while that PV is still on the tensor cores; one block-wide sync a key block instead of four
+    overlap: bool = False
 
     def tag(self) -> str:
-        """A short text form, e.g. 64x64s1t128 (g suffix when guarded, n when not warp-specialised, l lean)."""
-        return "%dx%ds%dt%d%s%s%s" % (self.bm, self.bn, self.stages, self.threads, "g" if self.guard else "",
-                                      "" if self.ws else "n", "l" if self.lean else "")
+        """A short text form, e.g. 64x64s1t128 (g suffix when guarded, n when not warp-specialised, l lean, oN
+        occupancy N, v overlapped)."""
+        return "%dx%ds%dt%d%s%s%s%s%s" % (self.bm, self.bn, self.stages, self.threads, "g" if self.guard else "",
+                                          "" if self.ws else "n", "l" if self.lean else "",
+                                          "o%d" % self.occupancy if self.occupancy else "",
+                                          "v" if self.overlap else "")
 
 
 UNGUARDED = AttnConfig()
@@ -66,12 +76,14 @@ UNGUARDED = AttnConfig()
 WARP_SPECIALISED = AttnConfig(stages=2, guard=True)
 UNSPECIALISED = AttnConfig(guard=True, ws=False)
 LEAN = AttnConfig(guard=True, ws=False, lean=True)
+OVERLAP = AttnConfig(guard=True, ws=False, lean=True, overlap=True)
 DEFAULT = LEAN
 CANDIDATES = (UNGUARDED, AttnConfig(guard=True), WARP_SPECIALISED,
               AttnConfig(bm=128, bn=64, stages=2, threads=256, guard=True),
               AttnConfig(bm=128, bn=128, stages=2, threads=256, guard=True),
               UNSPECIALISED, AttnConfig(bn=128, guard=True, ws=False),
-              LEAN, AttnConfig(bn=128, guard=True, ws=False, lean=True))
+              LEAN, AttnConfig(bn=128, guard=True, ws=False, lean=True),
+              AttnConfig(guard=True, ws=False, lean=True, occupancy=5), OVERLAP)
 # Measured and dropped (ninth session, H200):
 # - a windowed layer's query tile taking its 192 keys as one block (one QK^T, a plain softmax, one PV; 188 registers,
 #   so two blocks an SM): window 0.557 ms against 0.477 for UNSPECIALISED's three-block loop at four blocks an SM
@@ -140,6 +152,8 @@ def attention_dense(qkv: torch.Tensor, tok_row: torch.Tensor, pos: torch.Tensor,
 def build_attention(heads: int, window: int = 0, cfg: AttnConfig = DEFAULT, dtype: str = "bfloat16"):
     """The PrimFunc main(QKV[Ttok,3H*64] dtype, Cu[NC] i32, Tiles[NT,2] i32, O[Ttok,H*64] dtype); dtype bfloat16
     or float16 (the probabilities enter the second product in it too)."""
+    if cfg.overlap:
+        return build_attention_overlap(heads, window, cfg, dtype)
     _, T = _tl.tl()
     bm, bn = cfg.bm, cfg.bn
     Ttok = T.dynamic("Ttok")
@@ -154,6 +168,8 @@ def build_attention(heads: int, window: int = 0, cfg: AttnConfig = DEFAULT, dtyp
     def main(QKV: T.Tensor((Ttok, 3 * HD), DT), Cu: T.Tensor((NC,), I32), Tiles: T.Tensor((NT, 2), I32),
              Out: T.Tensor((Ttok, HD), DT)):
         with T.Kernel(NT, heads, threads=cfg.threads) as (bt, bh):
+            if cfg.occupancy:
+                T.annotate_min_blocks_per_sm(cfg.occupancy)
             Q_s = T.alloc_shared((bm, D), DT)
             K_s = T.alloc_shared((bn, D), DT)
             V_s = T.alloc_shared((bn, D), DT)
@@ -251,6 +267,158 @@ def build_attention(heads: int, window: int = 0, cfg: AttnConfig = DEFAULT, dtyp
     return main
 
 
+def check_overlap_config(cfg: AttnConfig) -> None:
+    """Raise ValueError for an overlapped config build_attention_overlap cannot build."""
+    if not (cfg.bm == cfg.bn == 64 and cfg.threads == 128 and cfg.guard and cfg.lean and not cfg.ws
+            and cfg.stages == 1):
+        raise ValueError("the overlapped attention is one warpgroup on 64 x 64 tiles, guarded, lean, not "
+                         "warp-specialised, stages=1 (its double buffering is its own); got %s" % cfg.tag())
+
+
+def build_attention_overlap(heads: int, window: int = 0, cfg: AttnConfig = OVERLAP, dtype: str = "bfloat16"):
+    """build_attention's PrimFunc (same signature and result) with FA3's intra-warpgroup pipelining written out.
+
+    Per key block j (of n): one block-wide sync (every warp is past the products that read the buffers about to be
+    refilled), TMA loads of V_j and K_{j+1} into the other halves of two-slot rings (mbarrier each), then QK_j^T
+    and P_{j-1} V_{j-1} issued back to back; the wait for the first leaves the second on the tensor cores while
+    this block's softmax runs; then the wait for PV, P_j to 16 bits and the accumulator's rescale. Block 0's QK^T
+    runs before the loop, the last PV after it. No automatic thread-sync insertion: every sync is explicit."""
+    tilelang, T = _tl.tl()
+    check_overlap_config(cfg)
+    bm = bn = 64
+    Ttok = T.dynamic("Ttok")
+    NC = T.dynamic("NC")
+    NT = T.dynamic("NT")
+    D = HEAD_DIM
+    HD = heads * D
+    scale = D ** -0.5 * LOG2E
+    DT, F32, I32 = dtype, _tl.F32, _tl.I32
+    regs = bm * bn // 128          # fp32 registers a thread holds of a 64 x 64 fragment
+
+    @T.macro
+    def softmax(s, m, m_prev, sc, ms, rs, lsum, kb, q0, L):
+        # raw scores in s -> probabilities (fp32, relative to the new running max); sc: the old max's correction
+        edge = kb * bn + bn > L
+        if window > 0:
+            edge = edge | (kb * bn + bn - 1 - q0 > window) | (q0 + bm - 1 - kb * bn > window)
+            if edge:
+                for i, j in T.Parallel(bm, bn):
+                    s[i, j] = T.if_then_else((kb * bn + j < L) & (q0 + i - kb * bn - j <= window)
+                                             & (kb * bn + j - q0 - i <= window), s[i, j], NEG)
+        else:
+            if edge:
+                for i, j in T.Parallel(bm, bn):
+                    s[i, j] = T.if_then_else(kb * bn + j < L, s[i, j], NEG)
+        T.copy(m, m_prev)
+        T.reduce_max(s, m, dim=1, clear=False)
+        for i in T.Parallel(bm):
+            sc[i] = T.exp2((m_prev[i] - m[i]) * scale)
+            ms[i] = m[i] * scale
+        for i, j in T.Parallel(bm, bn):
+            s[i, j] = T.exp2(s[i, j] * scale - ms[i])
+        T.reduce_sum(s, rs, dim=1)
+        for i in T.Parallel(bm):
+            lsum[i] = lsum[i] * sc[i] + rs[i]
+
+    @T.prim_func
+    def main(QKV: T.Tensor((Ttok, 3 * HD), DT), Cu: T.Tensor((NC,), I32), Tiles: T.Tensor((NT, 2), I32),
+             Out: T.Tensor((Ttok, HD), DT)):
+        with T.Kernel(NT, heads, threads=128) as (bt, bh):
+            if cfg.occupancy:
+                T.annotate_min_blocks_per_sm(cfg.occupancy)
+            Q_s = T.alloc_shared((bm, D), DT)
+            K_s = T.alloc_shared((2, bn, D), DT)
+            V_s = T.alloc_shared((2, bn, D), DT)
+            O_s = T.alloc_shared((bm, D), DT)
+            s = T.alloc_fragment((bm, bn), F32)
+            s_c = T.alloc_fragment((bm, bn), DT)
+            acc = T.alloc_fragment((bm, D), F32)
+            m = T.alloc_fragment((bm,), F32)
+            m_prev = T.alloc_fragment((bm,), F32)
+            sc = T.alloc_fragment((bm,), F32)
+            rs = T.alloc_fragment((bm,), F32)
+            lsum = T.alloc_fragment((bm,), F32)
+            ms = T.alloc_fragment((bm,), F32)
+            bar = T.alloc_barrier([128] * 5)      # Q; K slots 0, 1; V slots 0, 1 (every thread arrives)
+            T.annotate_layout({b: tilelang.layout.make_swizzled_layout(b) for b in (Q_s, K_s, V_s)})
+
+            row = Tiles[bt, 0]
+            q0 = Tiles[bt, 1]
+            start = Cu[row]
+            L = Cu[row + 1] - start
+            if window > 0:
+                k_lo = T.max(0, q0 - window) // bn
+                k_hi = T.min(T.ceildiv(L, bn), T.ceildiv(q0 + bm + window, bn))
+            else:
+                k_lo = 0
+                k_hi = T.ceildiv(L, bn)
+            n = k_hi - k_lo
+
+            if q0 < L:   # a padding tile (or a row's missing tail) does nothing; here n >= 1
+                T.tma_copy(QKV[start + q0:start + q0 + bm, bh * D:bh * D + D], Q_s, barrier=bar[0])
+                T.barrier_arrive(bar[0])
+                T.tma_copy(QKV[start + k_lo * bn:start + k_lo * bn + bn, HD + bh * D:HD + bh * D + D],
+                           K_s[0, :, :], barrier=bar[1])
+                T.barrier_arrive(bar[1])
+                T.tma_copy(QKV[start + k_lo * bn:start + k_lo * bn + bn, 2 * HD + bh * D:2 * HD + bh * D + D],
+                           V_s[0, :, :], barrier=bar[3])
+                T.barrier_arrive(bar[3])
+                if n > 1:
+                    T.tma_copy(QKV[start + k_lo * bn + bn:start + k_lo * bn + 2 * bn, HD + bh * D:HD + bh * D + D],
+                               K_s[1, :, :], barrier=bar[2])
+                    T.barrier_arrive(bar[2])
+                T.fill(acc, 0)
+                T.fill(lsum, 0)
+                T.fill(m, NEG)
+                T.mbarrier_wait_parity(bar[0], 0)
+                T.mbarrier_wait_parity(bar[1], 0)
+                T.wgmma_gemm(Q_s, K_s[0, :, :], s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow,
+                             clear_accum=True)
+                T.wait_wgmma(0)
+                T.warpgroup_fence_operand(s, num_regs=regs)
+                softmax(s, m, m_prev, sc, ms, rs, lsum, k_lo, q0, L)
+                T.copy(s, s_c)
+                for it in T.serial(1, n):
+                    kb = k_lo + it
+                    b = it % 2
+                    # every warp has waited for the products that read K slot 1 - b (block it - 1's QK^T) and V
+                    # slot b (block it - 2's PV)
+                    T.sync_threads()
+                    T.tma_copy(QKV[start + kb * bn:start + kb * bn + bn, 2 * HD + bh * D:2 * HD + bh * D + D],
+                               V_s[b, :, :], barrier=bar[3 + b])
+                    T.barrier_arrive(bar[3 + b])
+                    if it + 1 < n:
+                        T.tma_copy(QKV[start + kb * bn + bn:start + kb * bn + 2 * bn, HD + bh * D:HD + bh * D + D],
+                                   K_s[1 - b, :, :], barrier=bar[2 - b])
+                        T.barrier_arrive(bar[2 - b])
+                    T.mbarrier_wait_parity(bar[1 + b], (it // 2) & 1)
+                    T.wgmma_gemm(Q_s, K_s[b, :, :], s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow,
+                                 clear_accum=True)
+                    T.mbarrier_wait_parity(bar[4 - b], ((it - 1) // 2) & 1)
+                    T.wgmma_gemm(s_c, V_s[1 - b, :, :], acc, policy=T.GemmWarpPolicy.FullRow)
+                    T.wait_wgmma(1)               # QK^T done; PV of the previous block still running
+                    T.warpgroup_fence_operand(s, num_regs=regs)
+                    softmax(s, m, m_prev, sc, ms, rs, lsum, kb, q0, L)
+                    T.wait_wgmma(0)
+                    T.warpgroup_fence_operand(acc, num_regs=regs)
+                    T.copy(s, s_c)
+                    for i, j in T.Parallel(bm, D):
+                        acc[i, j] = acc[i, j] * sc[i]
+                T.mbarrier_wait_parity(bar[3 + (n - 1) % 2], ((n - 1) // 2) & 1)
+                T.wgmma_gemm(s_c, V_s[(n - 1) % 2, :, :], acc, policy=T.GemmWarpPolicy.FullRow)
+                T.wait_wgmma(0)
+                T.warpgroup_fence_operand(acc, num_regs=regs)
+                for i, j in T.Parallel(bm, D):
+                    acc[i, j] = acc[i, j] / T.max(lsum[i], 1e-30)
+                T.copy(acc, O_s)
+                T.sync_threads()
+                for i, j in T.Parallel(bm, D):
+                    if q0 + i < L:
+                        Out[start + q0 + i, bh * D + j] = O_s[i, j]
+
+    return main
+
+
 def attention_kernel(heads: int, window: int = 0, cfg: AttnConfig = DEFAULT, dtype: torch.dtype = torch.bfloat16):
     """The compiled attention kernel for (heads, window, cfg, dtype), built once per process."""
     d = _tl.dt(dtype)
@@ -258,7 +426,7 @@ def attention_kernel(heads: int, window: int = 0, cfg: AttnConfig = DEFAULT, dty
     name = _tl.kernel_name("lf_attn", h=heads, w=window, c=cfg.tag(), **extra)
     return _tl.memo(("attn", heads, window, cfg, d),
                     lambda: _tl.compile_func(lambda: build_attention(heads, window, cfg, d), name, fast_math=True,
-                                             pass_configs=_tl.ws_pass_configs(cfg.ws)))
+                                             pass_configs=_tl.ws_pass_configs(cfg.ws, not cfg.overlap)))
 
 
 def attention(qkv: torch.Tensor, cu: torch.Tensor, tiles: torch.Tensor, heads: int, window: int = 0,

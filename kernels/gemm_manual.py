@@ -77,12 +77,18 @@ class GemmWSConfig:
     # automatic warp specialisation does: the tensor pipe drains, but the producer may run one stage further
     # ahead). An experiment knob, to tell the two effects apart.
     inflight: int = 1
+    # GeGLU only: both halves' bn-row W tiles sit in one 2*bn-row stage tile, so each k-step is ONE wgmma of
+    # 2*bn columns into one accumulator (GELU half in columns < bn, gate half above) instead of two of bn
+    # columns: A is read from shared memory once per k-step, not twice. Column j and j + bn of a wgmma
+    # accumulator sit in the same thread (the fragment repeats every 8 columns), so the epilogue pairs them
+    # in registers.
+    joint: bool = False
 
     def tag(self) -> str:
-        """A short text form, e.g. 128x256x64s4 (p132: persistent over 132 blocks; w0: inflight=0)."""
-        return "%dx%dx%ds%d%s%s" % (self.bm, self.bn, self.bk, self.stages,
-                                    "p%d" % self.persistent if self.persistent else "",
-                                    "" if self.inflight else "w0")
+        """A short text form, e.g. 128x256x64s4 (p132: persistent over 132 blocks; w0: inflight=0; j: joint)."""
+        return "%dx%dx%ds%d%s%s%s" % (self.bm, self.bn, self.bk, self.stages,
+                                      "p%d" % self.persistent if self.persistent else "",
+                                      "" if self.inflight else "w0", "j" if self.joint else "")
 
     def epilogue(self, wt: int = 1) -> str:
         """How the consumers stage their output for the TMA store: "alias" (non-persistent, stages * bk == bn:
@@ -126,6 +132,8 @@ def check_config(cfg: GemmWSConfig, wt: int = 1) -> None:
                                                                                  SMEM_LIMIT))
     if wt == 2 and cfg.bm // 2 * cfg.bn * 2 // 128 > 128:
         raise ValueError("GeGLU keeps two accumulators: at most 128 fp32 registers a consumer thread for them")
+    if cfg.joint and (wt != 2 or cfg.bn > 128):
+        raise ValueError("joint is GeGLU's one-wgmma form: GeGLU only, bn at most 128 (2 * bn wgmma columns)")
 
 
 def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: bool = False, act: str = "none",
@@ -162,6 +170,9 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
     n_tiles = T.ceildiv(M, bm) * nbn
     n_waves = T.ceildiv(n_tiles, P) if P else 1
     NW = 2 * N if geglu else N            # rows of W
+    joint = cfg.joint
+    if joint:
+        acc_regs *= 2                     # one accumulator of 2 * bn columns
 
     @T.macro
     def produce(A, W, A0_s, A1_s, W_s, Wg_s, full, empty, by, bx, it):
@@ -173,8 +184,14 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
             T.mbarrier_wait_parity(empty[s], ((g // S) & 1) ^ 1)
             T.tma_copy(A[by * bm:by * bm + hm, k * bk:(k + 1) * bk], A0_s[s, :, :], barrier=full[s])
             T.tma_copy(A[by * bm + hm:by * bm + bm, k * bk:(k + 1) * bk], A1_s[s, :, :], barrier=full[s])
-            T.tma_copy(W[bx * bn:(bx + 1) * bn, k * bk:(k + 1) * bk], W_s[s, :, :], barrier=full[s])
-            if geglu:
+            if joint:
+                # GELU half into the stage tile's first bn rows, gate half into the rest (past 2N: zeros)
+                T.tma_copy(W[bx * bn:(bx + 1) * bn, k * bk:(k + 1) * bk], W_s[s, 0:bn, :], barrier=full[s])
+                T.tma_copy(W[N + bx * bn:N + (bx + 1) * bn, k * bk:(k + 1) * bk], W_s[s, bn:2 * bn, :],
+                           barrier=full[s])
+            else:
+                T.tma_copy(W[bx * bn:(bx + 1) * bn, k * bk:(k + 1) * bk], W_s[s, :, :], barrier=full[s])
+            if geglu and not joint:
                 # the gate half's rows; past 2N (the last tile's tail) TMA fills zeros, never stored
                 T.tma_copy(W[N + bx * bn:N + (bx + 1) * bn, k * bk:(k + 1) * bk], Wg_s[s, :, :], barrier=full[s])
             T.barrier_arrive(full[s])
@@ -233,6 +250,8 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
                 # has the 128-byte-swizzled (hm, bk) layout of the TMA store box of that column block
                 for c in T.unroll(S):
                     T.copy(C_l[:, c * bk:(c + 1) * bk], Cg_s[c, :, :])
+            elif joint:
+                T.copy(C_l[:, 0:bn], Cg_s)
             else:
                 T.copy(C_l, Cg_s)
             T.fence_proxy_async()
@@ -258,7 +277,7 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
             g = it * k_iters + k
             s = g % S
             T.mbarrier_wait_parity(full[s], (g // S) & 1)
-            if geglu:
+            if geglu and not joint:
                 # C_l takes the GELU half, Cx_l the gate half
                 T.wgmma_gemm(Ag_s[s, :, :], W_s[s, :, :], C_l, transpose_B=True, clear_accum=(k == 0))
                 T.wgmma_gemm(Ag_s[s, :, :], Wg_s[s, :, :], Cx_l, transpose_B=True, clear_accum=(k == 0))
@@ -267,7 +286,7 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
             if inflight:
                 if k > 0:
                     # the batch of step k-1 is done (this step's stays in flight): its stage can be refilled
-                    T.wait_wgmma(2 if geglu else 1)
+                    T.wait_wgmma(2 if geglu and not joint else 1)
                     if lane == 0:
                         T.mbarrier_arrive(empty[(g + S - 1) % S])
             else:
@@ -279,8 +298,13 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
             if lane == 0:
                 T.mbarrier_arrive(empty[(it * k_iters + k_iters - 1) % S])
         T.warpgroup_fence_operand(C_l, num_regs=acc_regs)
-        if geglu:
+        if geglu and not joint:
             T.warpgroup_fence_operand(Cx_l, num_regs=acc_regs)
+        if joint:
+            # the gate half into a fragment of its own: a parallel loop must index a fragment one way only, and
+            # column j + bn sits in the thread that holds column j, so this is a renaming of registers
+            for i, j in T.Parallel(hm, bn):
+                Cx_l[i, j] = C_l[i, bn + j]
         epilogue(C, Bias, C_l, Cx_l, Cg_s, Cs_l, Sn_l, by, bx, grp)
 
     @T.macro
@@ -303,8 +327,8 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
         with T.Kernel(*grid, threads=PRODUCER_THREADS + 256) as ids:
             A0_s = T.alloc_shared((S, hm, bk), DT)
             A1_s = T.alloc_shared((S, hm, bk), DT)
-            W_s = T.alloc_shared((S, bn, bk), DT)
-            Wg_s = T.alloc_shared((S, bn, bk), DT) if geglu else None
+            W_s = T.alloc_shared((S, 2 * bn if joint else bn, bk), DT)
+            Wg_s = T.alloc_shared((S, bn, bk), DT) if geglu and not joint else None
             if epi == "alias":
                 # a (hm, bn) view of the ring would need its own layout, and TileLang keys layouts by the
                 # storage ("Get different layout for A0_s"): the epilogue writes the ring's slabs instead
@@ -315,14 +339,14 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
             else:
                 C0_s = T.alloc_shared((2, hm, EPI_COLS), DT)
                 C1_s = T.alloc_shared((2, hm, EPI_COLS), DT)
-            C0_l = T.alloc_fragment((hm, bn), F32)
-            C1_l = T.alloc_fragment((hm, bn), F32)
+            C0_l = T.alloc_fragment((hm, 2 * bn if joint else bn), F32)
+            C1_l = T.alloc_fragment((hm, 2 * bn if joint else bn), F32)
             C0x_l = T.alloc_fragment((hm, bn), F32) if geglu else None
             C1x_l = T.alloc_fragment((hm, bn), F32) if geglu else None
             cs = [T.alloc_fragment((hm, 32), F32) for _ in range(4)] if rope_cols else [None] * 4
             full = T.alloc_barrier([PRODUCER_THREADS] * S)
             empty = T.alloc_barrier([CONSUMER_WARPS] * S)
-            ring = (A0_s, A1_s, W_s) + ((Wg_s,) if geglu else ())
+            ring = (A0_s, A1_s, W_s) + ((Wg_s,) if Wg_s is not None else ())
             layouts = {b: tilelang.layout.make_swizzled_layout(b) for b in ring}
             if epi != "alias":
                 layouts.update({b: tilelang.layout.make_swizzled_layout(b) for b in (C0_s, C1_s)})
@@ -396,6 +420,14 @@ def gemm_manual_kernel(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias:
 # both wait for each k-step's batch (inflight=0: as fast or 1-3% faster than one batch in flight on the H200)
 GEMM = GemmWSConfig(bm=128, bn=256, bk=64, stages=4, persistent=132, inflight=0)
 GEGLU = GemmWSConfig(bm=128, bn=128, bk=64, stages=4, persistent=132, inflight=0)
+# Other configs bench/fast_path.py times beside the defaults (keyed by geglu), for the next default
+ALTERNATIVES: dict[bool, tuple[GemmWSConfig, ...]] = {
+    False: (),
+    True: (replace(GEGLU, joint=True), replace(GEGLU, joint=True, stages=3)),
+}
+# A measured winner per form (geglu -> config) that `pick` prefers to the default: bench/fast_path.py fills it in
+# the process it benchmarks, as kernels/gemm.py's TUNED
+TUNED: dict[bool, GemmWSConfig] = {}
 
 
 def enabled() -> bool:
@@ -417,10 +449,10 @@ def pick(M: int, N: int, in_dtype: torch.dtype, out_dtype: torch.dtype, geglu: b
 
     if M <= SMALL_M or N < 64 or in_dtype != out_dtype or not enabled():
         return None
-    base = GEGLU if geglu else GEMM
+    base = TUNED.get(geglu) or (GEGLU if geglu else GEMM)
     n = sm_count()
     return base if base.persistent == n else replace(base, persistent=n)
 
 
-__all__ = ["GemmWSConfig", "GEMM", "GEGLU", "build_gemm_manual", "gemm_manual_kernel", "check_config",
-           "enabled", "sm_count", "pick"]
+__all__ = ["GemmWSConfig", "GEMM", "GEGLU", "ALTERNATIVES", "TUNED", "build_gemm_manual", "gemm_manual_kernel",
+           "check_config", "enabled", "sm_count", "pick"]

@@ -10,6 +10,7 @@ Also home of the kernel lists that the GPU tests and the GEMM sweep use.
 import argparse
 import logging
 import time
+from dataclasses import replace
 
 import torch
 
@@ -94,10 +95,16 @@ def sweep_specs(shape: str = "modernbert-large") -> list[tuple[str, tuple]]:
                 ("gemm", (d, ffn, True, "none", c, BF))]
     for c in _attn.CANDIDATES:
         out += [("attention", (dims["heads"], w, c)) for w in (0, 64)]
+        if c.lean:   # a lean winner also runs the fp16 engine (its forward: encoder layers and the head's attention)
+            out += [("attention", (h, w, c, torch.float16)) for h, w in ((dims["heads"], 0), (dims["heads"], 64),
+                                                                          (max(1, d // 64), 0))]
     # the hand-warp-specialised kernels the forward runs, timed beside the candidates (bf16)
     for name, N, K in gemm_shapes(d, dims["inter"], ffn):
-        out.append(("gemm_ws", (N, K, _gm.GEGLU if name == "wi_geglu" else _gm.GEMM, False, "none", 0,
-                                name == "wi_geglu", BF)))
+        g = name == "wi_geglu"
+        for c in ((_gm.GEGLU if g else _gm.GEMM),) + _gm.ALTERNATIVES[g]:
+            out.append(("gemm_ws", (N, K, c, False, "none", 0, g, BF)))
+            if name == "wqkv":
+                out.append(("gemm_ws", (N, K, c, False, "none", 2 * d, False, BF)))
     # every add+LN the forward launches, per candidate (a winner serves all of them)
     for c in SWEEP_LN:
         out += [("add_ln", (d, m, False, 1e-5, BF, c)) for m in ("add", "inplace", "add_inplace")]
@@ -129,19 +136,22 @@ def test_specs() -> list[tuple[str, tuple]]:
     return out + manual_test_specs()
 
 
+GEGLU_TEST_CFGS = (_gm.GEGLU, replace(_gm.GEGLU, inflight=1), replace(_gm.GEGLU, joint=True),
+                   replace(_gm.GEGLU, joint=True, inflight=1), replace(_gm.GEGLU, joint=True, persistent=0, stages=3))
+
+
 def manual_test_specs() -> list[tuple[str, tuple]]:
     """The kernels tests/test_gemm_manual.py runs."""
-    from dataclasses import replace
-
     cfgs = (_gm.GEMM, replace(_gm.GEMM, inflight=1), _gm.GemmWSConfig(stages=4),
             _gm.GemmWSConfig(stages=3, persistent=132))
     prods = [(3072, 1024, False, "none"), (1024, 2624, False, "none"), (4096, 1024, True, "relu"),
              (1024, 1024, True, "gelu"), (1024, 1000, False, "none")]
     out = [("gemm_ws", (N, K, c, b, a, 0, False, BF)) for c in cfgs for N, K, b, a in prods]
     out += [("gemm_ws", (3072, 1024, _gm.GEMM, False, "none", 2048, False, BF))]
-    out += [("gemm_ws", (2624, 1024, replace(_gm.GEGLU, inflight=i), False, "none", 0, True, BF)) for i in (0, 1)]
-    out += [("gemm_ws", (1024, 1024, _gm.GEMM, True, "none", 0, False, torch.float16)),
-            ("gemm_ws", (2624, 1024, _gm.GEGLU, False, "none", 0, True, torch.float16))]
+    out += [("gemm_ws", (2624, 1024, c, False, "none", 0, True, BF)) for c in GEGLU_TEST_CFGS]
+    out += [("gemm_ws", (1024, 1024, _gm.GEMM, True, "none", 0, False, torch.float16))]
+    out += [("gemm_ws", (2624, 1024, c, False, "none", 0, True, torch.float16))
+            for c in (_gm.GEGLU, replace(_gm.GEGLU, joint=True))]
     return out
 
 

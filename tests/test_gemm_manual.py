@@ -5,12 +5,14 @@ tile (GeGLU's 2624), fp16."""
 
 import importlib.util
 import re
+from dataclasses import replace
 
 import pytest
 import torch
 
 from kernels import forward, geglu, gemm, rope
 from kernels import gemm_manual as gm
+from kernels.precompile import GEGLU_TEST_CFGS
 from tests.test_kernels import _close, _poison
 
 HAS_TILELANG = importlib.util.find_spec("tilelang") is not None
@@ -27,6 +29,10 @@ def test_configs_and_tags():
         gm.check_config(gm.GemmWSConfig(bm=256, bn=256, stages=4, persistent=132))
     with pytest.raises(ValueError, match="two accumulators"):
         gm.check_config(gm.GemmWSConfig(stages=2, persistent=132), 2)   # 64 x 256 of each half: 256 registers
+    joint = replace(gm.GEGLU, joint=True)
+    assert joint.tag() == "128x128x64s4p132w0j" and joint.smem_bytes(2) == gm.GEGLU.smem_bytes(2)
+    with pytest.raises(ValueError, match="joint"):
+        gm.check_config(replace(gm.GEMM, joint=True), 1)
 
 
 def test_pick(monkeypatch):
@@ -41,6 +47,9 @@ def test_pick(monkeypatch):
     assert gm.pick(4096, 16, BF, torch.float32) is None
     monkeypatch.setattr(gm, "sm_count", lambda: 114)   # an H100 PCIe: one block per SM there
     assert gm.pick(4096, 1024, BF, BF).persistent == 114
+    monkeypatch.setitem(gm.TUNED, True, replace(gm.GEGLU, joint=True))   # a measured winner (bench/fast_path.py)
+    assert gm.pick(4096, 2624, BF, BF, geglu=True) == replace(gm.GEGLU, joint=True, persistent=114)
+    assert gm.pick(4096, 1024, BF, BF) == replace(gm.GEMM, persistent=114)
     monkeypatch.setenv("LAYA_FLEET_MANUAL_GEMM", "0")
     assert gm.pick(4096, 1024, BF, BF) is None
     monkeypatch.setenv("LAYA_FLEET_MANUAL_GEMM", "1")
@@ -86,6 +95,10 @@ def test_manual_kernels_compile_for_hopper(monkeypatch):
     assert "Cos" in rs and "Sin" in rs and "_r2048" in rs and "% 12) < 8" in rs   # 8 of 12 column tiles rotate
     gs = gm.gemm_manual_kernel(2624, 1024, gm.GEGLU, geglu=True).get_kernel_source()
     assert "erff" in gs and "lf_geglu_ws" in gs and gs.count("tma_load(Wi_desc") == 2
+    assert re.findall(r"wgmma_ss<[^>]*, 64, (\d+), 16", gs) == ["128"] * 4   # two n=128 products a consumer
+    js = gm.gemm_manual_kernel(2624, 1024, replace(gm.GEGLU, joint=True), geglu=True).get_kernel_source()
+    assert js.count("tma_load(Wi_desc") == 2 and "_c128x128x64s4p132w0j" in js
+    assert re.findall(r"wgmma_ss<[^>]*, 64, (\d+), 16", js) == ["256"] * 2   # one n=256 product a consumer
     bs = gm.gemm_manual_kernel(4096, 1024, gm.GEMM, bias=True, act="relu", dtype=F16).get_kernel_source()
     assert "Bias" in bs and "kFloat16" in bs and "_ifloat16_b1_arelu" in bs
     with pytest.raises(ValueError, match="RoPE"):
@@ -146,15 +159,14 @@ def test_manual_gemm_with_rope_equals_gemm_then_rope(M):
 @gpu
 @needs_tilelang
 @pytest.mark.parametrize("M", [1, 77, 4099, 40000])
-@pytest.mark.parametrize("inflight", [0, 1])
-def test_manual_geglu(M, inflight):
-    """F = 2624 is 20.5 tiles of 128: the last tile's extra columns read gate rows or zeros, never stored."""
-    from dataclasses import replace
-
+@pytest.mark.parametrize("cfg", GEGLU_TEST_CFGS, ids=lambda c: c.tag())
+def test_manual_geglu(M, cfg):
+    """F = 2624 is 20.5 tiles of 128: the last tile's extra columns read gate rows or zeros, never stored. Every
+    form (two products or one joint one, either wait, persistent or not) against the fp32 reference."""
     a = torch.randn(M, 1024, device=DEV).bfloat16()
     wi = (torch.randn(2 * 2624, 1024, device=DEV) / 32).bfloat16()
     out = _poison(M, 2624)
-    gm.gemm_manual_kernel(2624, 1024, replace(gm.GEGLU, inflight=inflight), geglu=True)(a, wi, out)
+    gm.gemm_manual_kernel(2624, 1024, cfg, geglu=True)(a, wi, out)
     _close(out, geglu.geglu_ref(a, wi), 1.5e-2)
 
 
@@ -168,6 +180,7 @@ def test_manual_kernels_in_fp16():
     gm.gemm_manual_kernel(1024, 1024, gm.GEMM, True, "none", dtype=F16)(a, w, b, out)
     _close(out, gemm.gemm_ref(a, w, b), 1e-2)
     wi = (torch.randn(2 * 2624, 1024, device=DEV) / 32).half()
-    g = _poison(3000, 2624, dtype=F16)
-    gm.gemm_manual_kernel(2624, 1024, gm.GEGLU, geglu=True, dtype=F16)(a, wi, g)
-    _close(g, geglu.geglu_ref(a, wi), 1.5e-2)
+    for cfg in (gm.GEGLU, replace(gm.GEGLU, joint=True)):
+        g = _poison(3000, 2624, dtype=F16)
+        gm.gemm_manual_kernel(2624, 1024, cfg, geglu=True, dtype=F16)(a, wi, g)
+        _close(g, geglu.geglu_ref(a, wi), 1.5e-2)

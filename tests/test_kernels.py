@@ -159,6 +159,18 @@ def test_attention_without_warp_specialisation_compiles_for_hopper(monkeypatch, 
     assert re.findall(r"__launch_bounds__\((\d+)", lean) == [str(attention.LEAN.threads)]
     assert "(0 < ki) ? 1 : 0" in lean and "(0 < ki) ? 1 : 0" not in src
     assert "lf_attn_h16_w%d_c64x64s1t128gnl_kernel" % window in lean
+    # the overlapped form: K and V through TMA into two-slot rings (Q, the first K/V and the second K before the
+    # loop, V_j and K_{j+1} in it), QK^T waited for while PV stays in flight, one block-wide sync a key block
+    # (plus the barrier init's and the epilogue's), no cp.async, and ptxas asked for nothing (one warpgroup)
+    ov = attention.attention_kernel(16, window, attention.OVERLAP).get_kernel_source()
+    assert ov.count("tl::tma_load(QKV_desc") == 6 and "cp_async" not in ov
+    assert "wait_wgmma<1>" in ov and "wgmma_rs" in ov and ov.count("__syncthreads()") == 3
+    assert "lf_attn_h16_w%d_c64x64s1t128gnlv_kernel" % window in ov
+    o5 = attention.attention_kernel(16, window, attention.AttnConfig(guard=True, ws=False, lean=True, occupancy=5))
+    assert "__launch_bounds__(128, 5)" in o5.get_kernel_source()
+    with pytest.raises(ValueError, match="overlapped"):
+        attention.build_attention(16, window, attention.AttnConfig(bn=128, guard=True, ws=False, lean=True,
+                                                                    overlap=True))
 
 
 @needs_tilelang
@@ -517,7 +529,7 @@ def test_attention_every_length_up_to_1024():
     qkv, cu = _packed_qkv(lengths, 2, seed=3, device=DEV)
     qkv = qkv.bfloat16()
     tiles = torch.from_numpy(attention.tile_table(lengths, attention.DEFAULT.bm)).to(DEV)
-    for cfg in (attention.UNSPECIALISED, attention.LEAN):
+    for cfg in (attention.UNSPECIALISED, attention.LEAN, attention.OVERLAP):
         for window in (0, 64):
             out = _poison(qkv.shape[0], 128)
             attention.attention(qkv, cu, tiles, 2, window, out=out, cfg=cfg)
