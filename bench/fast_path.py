@@ -145,6 +145,7 @@ def section_gemm(res: dict, dims: dict, M: int) -> None:
 
     d, inter, ffn, L, HL = dims["d"], dims["inter"], dims["ffn"], dims["layers"], dims["head_layers"]
     dev = "cuda"
+    plain_total: dict[str, list] = {}   # manual plain config tag -> [config, ms over Wqkv (+RoPE), Wo, MLP Wo, shapes]
     a_full = torch.randn(M, max(d, inter, ffn), device=dev).bfloat16()
     rows = []
     for name, N, Kd in gemm_shapes(d, inter, ffn):
@@ -197,12 +198,19 @@ def section_gemm(res: dict, dims: dict, M: int) -> None:
         use = min(ok_rope, key=lambda c: c["rope_ms"]) if ok_rope else min(ok, key=lambda c: c["ms"]) if ok else None
         if use is not None:
             (G.TUNED if name == "wi_geglu" else K.TUNED)[(N, Kd)] = use["_cfg"]
-        if manual:   # the fastest manual config is what the forward (engines built after this section) runs
-            chosen = min(manual, key=lambda c: c.get("rope_ms", c["ms"]))
-            if GM.ALTERNATIVES[name == "wi_geglu"]:
-                GM.TUNED[name == "wi_geglu"] = chosen["_ws"]
-        else:
-            chosen = use
+        # the fastest manual config is what the forward (engines built after this section) runs: GeGLU's per shape,
+        # the plain one (a single config for every plain product) by its time summed over the encoder's products
+        chosen = use
+        if manual and name == "wi_geglu":
+            chosen = min(manual, key=lambda c: c["ms"])
+            GM.TUNED[True] = chosen["_ws"]
+        elif manual:
+            chosen = manual[0]
+            for c in manual:
+                if name in ("wqkv", "wo", "wo_mlp") and ("rope_ms" in c or name != "wqkv"):
+                    plain_total.setdefault(c["cfg"], [c["_ws"], 0.0, 0])
+                    plain_total[c["cfg"]][1] += c.get("rope_ms", c["ms"])
+                    plain_total[c["cfg"]][2] += 1
         for c in cands:
             c.pop("_cfg", None)
             c.pop("_ws", None)
@@ -214,6 +222,13 @@ def section_gemm(res: dict, dims: dict, M: int) -> None:
                      **({"used_rope_ms": chosen["rope_ms"]} if chosen and "rope_ms" in chosen else {})})
         log("gemm %-9s torch %.0f TF/s, best tilelang %s" % (name, flops / t_torch / 1e9,
                                                              best and "%.0f TF/s (%s)" % (best["tflops"], best["cfg"])))
+    full = [v for v in plain_total.values() if v[2] == 3]
+    if len(full) > 1:
+        best_plain = min(full, key=lambda v: v[1])[0]
+        GM.TUNED[False] = best_plain
+        for r in rows:
+            if r["name"] != "wi_geglu" and str(r["used"]).startswith("ws:"):
+                r["used"] = "ws:" + best_plain.tag()
     # GEMM floor: every matmul of encoder + head + scorer at torch.matmul speed, per token at this M
     counts = {"wqkv": L, "wo": L, "wi_geglu": L, "wo_mlp": L, "head_ffn1": HL, "head_ffn2": HL}
     floor_ms = sum(r["torch_ms"] * counts[r["name"]] for r in rows)
@@ -600,6 +615,8 @@ def section_profile(res: dict, engines: dict, wl: dict) -> None:
             chunk.append(r)
             tot += len(r)
         out["offline_chunk" + sfx] = ff.profile(chunk)
+        if name == "fast":   # the chunk's graph unprofiled (the profile's events add a few us a kernel)
+            out["offline_chunk"]["split"] = forward_split(eng, chunk, reps=8)
     res["profile"] = out
     for k, p in out.items():
         groups = group_ops(p["ops"])

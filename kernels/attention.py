@@ -70,14 +70,18 @@ UNGUARDED = AttnConfig()
 # Not candidates: the same kernels software-pipelined (stages=2 without warp specialisation) passed a small
 # check but gave wrong output on the 64k-token one (bench/fast_path.py's sweep, err inf), and their full-attention
 # form only compiles with a start that is not a static 0.
-# The default since the eleventh session is that kernel made lean (masks only on edge blocks, the scale folded into
+# The eleventh session's default was that kernel made lean (masks only on edge blocks, the scale folded into
 # the exponent, no separate clear): 0.590 / 0.464 ms against 0.610 / 0.475, 15.43 against 15.87 ms a forward,
 # the same error (H200, bench/fast_path.py's sweep).
+# The default since the twelfth session is the lean kernel overlapped (build_attention_overlap): 0.407 / 0.307 ms
+# against 0.593 / 0.466 for LEAN in the same run, 10.41 against 15.51 ms a forward, the same error; the offline chunk
+# went from 17.7 to 11.6 ms of attention. LEAN at occupancy 5 (95 registers, 120 bytes spilled) measured the same as
+# LEAN (15.58 ms a forward).
 WARP_SPECIALISED = AttnConfig(stages=2, guard=True)
 UNSPECIALISED = AttnConfig(guard=True, ws=False)
 LEAN = AttnConfig(guard=True, ws=False, lean=True)
 OVERLAP = AttnConfig(guard=True, ws=False, lean=True, overlap=True)
-DEFAULT = LEAN
+DEFAULT = OVERLAP
 CANDIDATES = (UNGUARDED, AttnConfig(guard=True), WARP_SPECIALISED,
               AttnConfig(bm=128, bn=64, stages=2, threads=256, guard=True),
               AttnConfig(bm=128, bn=128, stages=2, threads=256, guard=True),

@@ -83,12 +83,19 @@ class GemmWSConfig:
     # accumulator sit in the same thread (the fragment repeats every 8 columns), so the epilogue pairs them
     # in registers.
     joint: bool = False
+    # stagger > 0: the second consumer starts its first tile only once the first has issued that many k-steps
+    # (an mbarrier), so the two run that far apart from then on (the shared ring, `stages` deep, bounds the gap):
+    # one consumer's epilogue (GELU, RoPE, the stores) overlaps the other's products instead of both idling the
+    # tensor cores at once
+    stagger: int = 0
 
     def tag(self) -> str:
-        """A short text form, e.g. 128x256x64s4 (p132: persistent over 132 blocks; w0: inflight=0; j: joint)."""
-        return "%dx%dx%ds%d%s%s%s" % (self.bm, self.bn, self.bk, self.stages,
-                                      "p%d" % self.persistent if self.persistent else "",
-                                      "" if self.inflight else "w0", "j" if self.joint else "")
+        """A short text form, e.g. 128x256x64s4 (p132: persistent over 132 blocks; w0: inflight=0; j: joint; gN:
+        stagger N)."""
+        return "%dx%dx%ds%d%s%s%s%s" % (self.bm, self.bn, self.bk, self.stages,
+                                        "p%d" % self.persistent if self.persistent else "",
+                                        "" if self.inflight else "w0", "j" if self.joint else "",
+                                        "g%d" % self.stagger if self.stagger else "")
 
     def epilogue(self, wt: int = 1) -> str:
         """How the consumers stage their output for the TMA store: "alias" (non-persistent, stages * bk == bn:
@@ -125,6 +132,9 @@ def check_config(cfg: GemmWSConfig, wt: int = 1) -> None:
         raise ValueError("stages must be at least 2")
     if cfg.inflight not in (0, 1):
         raise ValueError("inflight must be 0 or 1")
+    if not 0 <= cfg.stagger < cfg.stages:
+        raise ValueError("stagger must be 0 or more and below stages (the ring bounds how far apart the consumers "
+                         "run)")
     if cfg.bn % EPI_COLS and cfg.epilogue(wt) == "chunk":
         raise ValueError("a chunked epilogue needs bn to be a multiple of %d" % EPI_COLS)
     if cfg.smem_bytes(wt) > SMEM_LIMIT - 1024:
@@ -171,6 +181,7 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
     n_waves = T.ceildiv(n_tiles, P) if P else 1
     NW = 2 * N if geglu else N            # rows of W
     joint = cfg.joint
+    stagger = min(cfg.stagger, -(-K // bk))   # a first tile of fewer k-steps releases the other consumer at its end
     if joint:
         acc_regs *= 2                     # one accumulator of 2 * bn columns
 
@@ -263,8 +274,8 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
                 T.tma_copy(Cg_s, C[r0:r0 + hm, bx * bn:(bx + 1) * bn])
 
     @T.macro
-    def consume(C, Bias, Ag_s, W_s, Wg_s, C_l, Cx_l, Cg_s, Cs_l, Sn_l, full, empty, Pos, Cos, Sin, by, bx, it, grp,
-                lane):
+    def consume(C, Bias, Ag_s, W_s, Wg_s, C_l, Cx_l, Cg_s, Cs_l, Sn_l, full, empty, go, Pos, Cos, Sin, by, bx, it,
+                grp, lane):
         if rope_cols:
             if bx * bn < rope_cols:
                 # this tile's cosines and sines (one pair per row and frequency, shared by its heads), loaded before
@@ -273,6 +284,10 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
                     p = Pos[T.min(by * bm + grp * hm + i, M - 1)]   # rows past M are never stored
                     Cs_l[i, d] = Cos[p, d]
                     Sn_l[i, d] = Sin[p, d]
+        if stagger:
+            if grp == 1:
+                if it == 0:   # the first consumer is `stagger` k-steps into this block's first tile
+                    T.mbarrier_wait_parity(go[0], 0)
         for k in T.serial(k_iters):
             g = it * k_iters + k
             s = g % S
@@ -293,6 +308,12 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
                 T.wait_wgmma(0)
                 if lane == 0:
                     T.mbarrier_arrive(empty[s])
+            if stagger:
+                if grp == 0:
+                    if it == 0:
+                        if k == stagger - 1:
+                            if lane == 0:
+                                T.mbarrier_arrive(go[0])
         if inflight:
             T.wait_wgmma(0)
             if lane == 0:
@@ -308,17 +329,18 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
         epilogue(C, Bias, C_l, Cx_l, Cg_s, Cs_l, Sn_l, by, bx, grp)
 
     @T.macro
-    def consumer(C, Bias, Ag_s, W_s, Wg_s, C_l, Cx_l, Cg_s, Cs_l, Sn_l, full, empty, Pos, Cos, Sin, ids, grp, lane):
+    def consumer(C, Bias, Ag_s, W_s, Wg_s, C_l, Cx_l, Cg_s, Cs_l, Sn_l, full, empty, go, Pos, Cos, Sin, ids, grp,
+                 lane):
         T.set_max_nreg(CONSUMER_REGS, 1)
         if P:
             for w in T.serial(n_waves):
                 t = w * P + ids
                 if t < n_tiles:
-                    consume(C, Bias, Ag_s, W_s, Wg_s, C_l, Cx_l, Cg_s, Cs_l, Sn_l, full, empty, Pos, Cos, Sin,
+                    consume(C, Bias, Ag_s, W_s, Wg_s, C_l, Cx_l, Cg_s, Cs_l, Sn_l, full, empty, go, Pos, Cos, Sin,
                             t // nbn, t % nbn, w, grp, lane)
         else:
-            consume(C, Bias, Ag_s, W_s, Wg_s, C_l, Cx_l, Cg_s, Cs_l, Sn_l, full, empty, Pos, Cos, Sin, ids[1], ids[0],
-                    0, grp, lane)
+            consume(C, Bias, Ag_s, W_s, Wg_s, C_l, Cx_l, Cg_s, Cs_l, Sn_l, full, empty, go, Pos, Cos, Sin, ids[1],
+                    ids[0], 0, grp, lane)
         T.tma_store_wait(0)   # the staging tile (shared memory) must outlive the last store's reads
 
     @T.macro
@@ -346,6 +368,7 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
             cs = [T.alloc_fragment((hm, 32), F32) for _ in range(4)] if rope_cols else [None] * 4
             full = T.alloc_barrier([PRODUCER_THREADS] * S)
             empty = T.alloc_barrier([CONSUMER_WARPS] * S)
+            go = T.alloc_barrier([CONSUMER_WARPS // 2]) if stagger else None   # the first consumer's 4 warps
             ring = (A0_s, A1_s, W_s) + ((Wg_s,) if Wg_s is not None else ())
             layouts = {b: tilelang.layout.make_swizzled_layout(b) for b in ring}
             if epi != "alias":
@@ -363,11 +386,11 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
                 else:
                     produce(A, W, A0_s, A1_s, W_s, Wg_s, full, empty, ids[1], ids[0], 0)
             elif tx < PRODUCER_THREADS + 128:
-                consumer(C, Bias, A0_s, W_s, Wg_s, C0_l, C0x_l, C0_s, cs[0], cs[1], full, empty, Pos, Cos, Sin, ids, 0,
-                         lane)
+                consumer(C, Bias, A0_s, W_s, Wg_s, C0_l, C0x_l, C0_s, cs[0], cs[1], full, empty, go, Pos, Cos, Sin,
+                         ids, 0, lane)
             else:
-                consumer(C, Bias, A1_s, W_s, Wg_s, C1_l, C1x_l, C1_s, cs[2], cs[3], full, empty, Pos, Cos, Sin, ids, 1,
-                         lane)
+                consumer(C, Bias, A1_s, W_s, Wg_s, C1_l, C1x_l, C1_s, cs[2], cs[3], full, empty, go, Pos, Cos, Sin,
+                         ids, 1, lane)
 
     if geglu:
         @T.prim_func
@@ -419,11 +442,11 @@ def gemm_manual_kernel(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias:
 # tiles, 4 stages, output 64 columns at a time; GeGLU 128 x 128 (of each half) x 64, 4 stages, a whole staged tile;
 # both wait for each k-step's batch (inflight=0: as fast or 1-3% faster than one batch in flight on the H200)
 GEMM = GemmWSConfig(bm=128, bn=256, bk=64, stages=4, persistent=132, inflight=0)
-GEGLU = GemmWSConfig(bm=128, bn=128, bk=64, stages=4, persistent=132, inflight=0)
-# Other configs bench/fast_path.py times beside the defaults (keyed by geglu), for the next default
+GEGLU = GemmWSConfig(bm=128, bn=128, bk=64, stages=4, persistent=132, inflight=0, joint=True)
+# Other configs bench/fast_path.py times beside the defaults (keyed by geglu) and runs when faster
 ALTERNATIVES: dict[bool, tuple[GemmWSConfig, ...]] = {
-    False: (),
-    True: (replace(GEGLU, joint=True), replace(GEGLU, joint=True, stages=3)),
+    False: (replace(GEMM, stagger=2), replace(GEMM, stagger=3)),
+    True: (replace(GEGLU, joint=False), replace(GEGLU, stagger=2), replace(GEGLU, stagger=3)),
 }
 # A measured winner per form (geglu -> config) that `pick` prefers to the default: bench/fast_path.py fills it in
 # the process it benchmarks, as kernels/gemm.py's TUNED

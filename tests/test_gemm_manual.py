@@ -22,17 +22,20 @@ BF, F16 = torch.bfloat16, torch.float16
 
 def test_configs_and_tags():
     assert gm.GEMM.tag() == "128x256x64s4p132w0" and gm.GEMM.epilogue() == "chunk"
-    assert gm.GEGLU.tag() == "128x128x64s4p132w0" and gm.GEGLU.epilogue(2) == "full"
+    assert gm.GEGLU.tag() == "128x128x64s4p132w0j" and gm.GEGLU.epilogue(2) == "full"
     assert gm.GemmWSConfig(stages=4).epilogue() == "alias"
     gm.check_config(gm.GEGLU, 2)
     with pytest.raises(ValueError, match="shared memory"):
         gm.check_config(gm.GemmWSConfig(bm=256, bn=256, stages=4, persistent=132))
     with pytest.raises(ValueError, match="two accumulators"):
         gm.check_config(gm.GemmWSConfig(stages=2, persistent=132), 2)   # 64 x 256 of each half: 256 registers
-    joint = replace(gm.GEGLU, joint=True)
-    assert joint.tag() == "128x128x64s4p132w0j" and joint.smem_bytes(2) == gm.GEGLU.smem_bytes(2)
+    two = replace(gm.GEGLU, joint=False)
+    assert two.tag() == "128x128x64s4p132w0" and two.smem_bytes(2) == gm.GEGLU.smem_bytes(2)
     with pytest.raises(ValueError, match="joint"):
         gm.check_config(replace(gm.GEMM, joint=True), 1)
+    assert replace(gm.GEMM, stagger=2).tag() == "128x256x64s4p132w0g2"
+    with pytest.raises(ValueError, match="stagger"):
+        gm.check_config(replace(gm.GEMM, stagger=4))
 
 
 def test_pick(monkeypatch):
@@ -47,8 +50,8 @@ def test_pick(monkeypatch):
     assert gm.pick(4096, 16, BF, torch.float32) is None
     monkeypatch.setattr(gm, "sm_count", lambda: 114)   # an H100 PCIe: one block per SM there
     assert gm.pick(4096, 1024, BF, BF).persistent == 114
-    monkeypatch.setitem(gm.TUNED, True, replace(gm.GEGLU, joint=True))   # a measured winner (bench/fast_path.py)
-    assert gm.pick(4096, 2624, BF, BF, geglu=True) == replace(gm.GEGLU, joint=True, persistent=114)
+    monkeypatch.setitem(gm.TUNED, True, replace(gm.GEGLU, stagger=2))   # a measured winner (bench/fast_path.py)
+    assert gm.pick(4096, 2624, BF, BF, geglu=True) == replace(gm.GEGLU, stagger=2, persistent=114)
     assert gm.pick(4096, 1024, BF, BF) == replace(gm.GEMM, persistent=114)
     monkeypatch.setenv("LAYA_FLEET_MANUAL_GEMM", "0")
     assert gm.pick(4096, 1024, BF, BF) is None
@@ -93,12 +96,15 @@ def test_manual_kernels_compile_for_hopper(monkeypatch):
     assert "wait_wgmma<1>" in one   # one batch in flight: the previous step's stage released after it
     rs = gm.gemm_manual_kernel(3072, 1024, gm.GEMM, rope_cols=2048).get_kernel_source()
     assert "Cos" in rs and "Sin" in rs and "_r2048" in rs and "% 12) < 8" in rs   # 8 of 12 column tiles rotate
-    gs = gm.gemm_manual_kernel(2624, 1024, gm.GEGLU, geglu=True).get_kernel_source()
+    gs = gm.gemm_manual_kernel(2624, 1024, replace(gm.GEGLU, joint=False), geglu=True).get_kernel_source()
     assert "erff" in gs and "lf_geglu_ws" in gs and gs.count("tma_load(Wi_desc") == 2
     assert re.findall(r"wgmma_ss<[^>]*, 64, (\d+), 16", gs) == ["128"] * 4   # two n=128 products a consumer
-    js = gm.gemm_manual_kernel(2624, 1024, replace(gm.GEGLU, joint=True), geglu=True).get_kernel_source()
+    js = gm.gemm_manual_kernel(2624, 1024, gm.GEGLU, geglu=True).get_kernel_source()
     assert js.count("tma_load(Wi_desc") == 2 and "_c128x128x64s4p132w0j" in js
     assert re.findall(r"wgmma_ss<[^>]*, 64, (\d+), 16", js) == ["256"] * 2   # one n=256 product a consumer
+    # staggered: the second consumer waits (once, on its first tile) for the first's arrival after 2 k-steps
+    st = gm.gemm_manual_kernel(3072, 1024, replace(gm.GEMM, stagger=2), rope_cols=2048).get_kernel_source()
+    assert "go[0].init(4)" in st and st.count("go[0].wait(0)") == 1 and "(k_1 == 1)" in st
     bs = gm.gemm_manual_kernel(4096, 1024, gm.GEMM, bias=True, act="relu", dtype=F16).get_kernel_source()
     assert "Bias" in bs and "kFloat16" in bs and "_ifloat16_b1_arelu" in bs
     with pytest.raises(ValueError, match="RoPE"):
@@ -111,7 +117,8 @@ DEV = "cuda"
 
 
 CFGS = {"default": gm.GEMM, "inflight": gm.GemmWSConfig(stages=4, persistent=132, inflight=1),
-        "alias": gm.GemmWSConfig(stages=4), "full": gm.GemmWSConfig(stages=3, persistent=132)}
+        "alias": gm.GemmWSConfig(stages=4), "full": gm.GemmWSConfig(stages=3, persistent=132),
+        "stagger": replace(gm.GEMM, stagger=2)}
 
 
 @gpu
@@ -147,13 +154,14 @@ def test_manual_gemm_with_rope_equals_gemm_then_rope(M):
     two_step = _poison(M, 3072)
     gm.gemm_manual_kernel(3072, 1024, gm.GEMM)(a, w, z, two_step)
     rope.rope(two_step, pos, cos, sin, heads)
-    fused = _poison(M, 3072)
-    gm.gemm_manual_kernel(3072, 1024, gm.GEMM, rope_cols=2048)(a, w, z, fused, pos, cos, sin)
-    assert torch.isfinite(fused.float()).all()
-    torch.testing.assert_close(fused.float(), two_step.float(), atol=1e-2, rtol=1e-2)
-    assert (fused != two_step).float().mean() < 0.01   # at most an ulp here and there (fma contraction)
-    assert torch.equal(fused[:, 2048:], two_step[:, 2048:])
-    _close(fused, rope.rope_ref(gemm.gemm_ref(a, w), pos, cos, sin, heads), 1e-2)
+    for cfg in (gm.GEMM, replace(gm.GEMM, stagger=2)):
+        fused = _poison(M, 3072)
+        gm.gemm_manual_kernel(3072, 1024, cfg, rope_cols=2048)(a, w, z, fused, pos, cos, sin)
+        assert torch.isfinite(fused.float()).all()
+        torch.testing.assert_close(fused.float(), two_step.float(), atol=1e-2, rtol=1e-2)
+        assert (fused != two_step).float().mean() < 0.01   # at most an ulp here and there (fma contraction)
+        assert torch.equal(fused[:, 2048:], two_step[:, 2048:])
+        _close(fused, rope.rope_ref(gemm.gemm_ref(a, w), pos, cos, sin, heads), 1e-2)
 
 
 @gpu

@@ -133,8 +133,8 @@ def test_fp16_kernels_compile_for_hopper_with_half_operands(monkeypatch):
     rp = rope.rope_kernel(16, dtype=f16).get_kernel_source()
     assert "half_t" in rp and "bfloat16_t" not in rp
     bf = attention.attention_kernel(16, 64, attention.DEFAULT).get_kernel_source()
-    assert "kBFloat16" in bf and "lf_attn_h16_w64_c64x64s1t128gnl_kernel" in bf
-    assert "lf_attn_h16_w64_c64x64s1t128gnl_ifloat16_kernel" in at
+    assert "kBFloat16" in bf and "lf_attn_h16_w64_c64x64s1t128gnlv_kernel" in bf
+    assert "lf_attn_h16_w64_c64x64s1t128gnlv_ifloat16_kernel" in at
 
 
 @needs_tilelang
@@ -146,7 +146,7 @@ def test_attention_without_warp_specialisation_compiles_for_hopper(monkeypatch, 
 
     monkeypatch.setenv("LAYA_FLEET_TL_ARCH", "sm_90a")
     cfg = attention.UNSPECIALISED
-    assert not cfg.ws and attention.DEFAULT == attention.LEAN
+    assert not cfg.ws and attention.DEFAULT == attention.OVERLAP
     src = attention.attention_kernel(16, window, cfg).get_kernel_source()
     assert re.findall(r"__launch_bounds__\((\d+)", src) == [str(cfg.threads)]
     assert "reg_alloc" not in src and "wgmma" in src and "cp_async" in src
