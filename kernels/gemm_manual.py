@@ -88,14 +88,18 @@ class GemmWSConfig:
     # one consumer's epilogue (GELU, RoPE, the stores) overlaps the other's products instead of both idling the
     # tensor cores at once
     stagger: int = 0
+    # RoPE form only: rotate each Q/K head in registers before it is staged (column d and d + 32 of a head sit in
+    # the same thread, as GeGLU's halves do), instead of in the staged shared tile behind one more barrier; the same
+    # arithmetic (from the 16-bit rounded value, fp32 math)
+    rope_regs: bool = False
 
     def tag(self) -> str:
         """A short text form, e.g. 128x256x64s4 (p132: persistent over 132 blocks; w0: inflight=0; j: joint; gN:
-        stagger N)."""
-        return "%dx%dx%ds%d%s%s%s%s" % (self.bm, self.bn, self.bk, self.stages,
-                                        "p%d" % self.persistent if self.persistent else "",
-                                        "" if self.inflight else "w0", "j" if self.joint else "",
-                                        "g%d" % self.stagger if self.stagger else "")
+        stagger N; q: RoPE in registers)."""
+        return "%dx%dx%ds%d%s%s%s%s%s" % (self.bm, self.bn, self.bk, self.stages,
+                                          "p%d" % self.persistent if self.persistent else "",
+                                          "" if self.inflight else "w0", "j" if self.joint else "",
+                                          "g%d" % self.stagger if self.stagger else "", "q" if self.rope_regs else "")
 
     def epilogue(self, wt: int = 1) -> str:
         """How the consumers stage their output for the TMA store: "alias" (non-persistent, stages * bk == bn:
@@ -208,7 +212,7 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
             T.barrier_arrive(full[s])
 
     @T.macro
-    def epilogue(C, Bias, C_l, Cx_l, Cg_s, Cs_l, Sn_l, by, bx, grp):
+    def epilogue(C, Bias, C_l, Cx_l, Cg_s, Cs_l, Sn_l, Xr_l, by, bx, grp):
         r0 = by * bm + grp * hm
         if epi == "chunk":
             # EPI_COLS columns at a time through a double buffer (each store is its own bulk group): before a
@@ -226,10 +230,23 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
                 elif act != "none":
                     for i, j in T.Parallel(hm, EPI_COLS):
                         C_l[i, c * EPI_COLS + j] = apply_act(C_l[i, c * EPI_COLS + j], act, T)
+                if rope_cols and cfg.rope_regs:
+                    if bx * bn + c * EPI_COLS < rope_cols:
+                        # a Q or K head, rotated in registers from its rounded value; the upper half goes through a
+                        # fragment of its own (a parallel loop indexes a fragment one way only)
+                        for i, d in T.Parallel(hm, 32):
+                            Xr_l[i, d] = C_l[i, c * EPI_COLS + 32 + d]
+                        for i, d in T.Parallel(hm, 32):
+                            x0 = T.Cast(F32, T.Cast(DT, C_l[i, c * EPI_COLS + d]))
+                            x1 = T.Cast(F32, T.Cast(DT, Xr_l[i, d]))
+                            C_l[i, c * EPI_COLS + d] = x0 * Cs_l[i, d] - x1 * Sn_l[i, d]
+                            Xr_l[i, d] = x1 * Cs_l[i, d] + x0 * Sn_l[i, d]
+                        for i, d in T.Parallel(hm, 32):
+                            C_l[i, c * EPI_COLS + 32 + d] = Xr_l[i, d]
                 T.tma_store_wait(1)
                 T.sync_threads(EPI_BARRIER + grp, 128)
                 T.copy(C_l[:, c * EPI_COLS:(c + 1) * EPI_COLS], Cg_s[c % 2, :, :])
-                if rope_cols:
+                if rope_cols and not cfg.rope_regs:
                     if bx * bn + c * EPI_COLS < rope_cols:
                         # a Q or K head: rotate the staged (rounded) values in place; each thread reads both
                         # halves of its pairs before writing them, other threads' writes are behind the barrier
@@ -274,8 +291,8 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
                 T.tma_copy(Cg_s, C[r0:r0 + hm, bx * bn:(bx + 1) * bn])
 
     @T.macro
-    def consume(C, Bias, Ag_s, W_s, Wg_s, C_l, Cx_l, Cg_s, Cs_l, Sn_l, full, empty, go, Pos, Cos, Sin, by, bx, it,
-                grp, lane):
+    def consume(C, Bias, Ag_s, W_s, Wg_s, C_l, Cx_l, Cg_s, Cs_l, Sn_l, Xr_l, full, empty, go, Pos, Cos, Sin, by, bx,
+                it, grp, lane):
         if rope_cols:
             if bx * bn < rope_cols:
                 # this tile's cosines and sines (one pair per row and frequency, shared by its heads), loaded before
@@ -326,21 +343,21 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
             # column j + bn sits in the thread that holds column j, so this is a renaming of registers
             for i, j in T.Parallel(hm, bn):
                 Cx_l[i, j] = C_l[i, bn + j]
-        epilogue(C, Bias, C_l, Cx_l, Cg_s, Cs_l, Sn_l, by, bx, grp)
+        epilogue(C, Bias, C_l, Cx_l, Cg_s, Cs_l, Sn_l, Xr_l, by, bx, grp)
 
     @T.macro
-    def consumer(C, Bias, Ag_s, W_s, Wg_s, C_l, Cx_l, Cg_s, Cs_l, Sn_l, full, empty, go, Pos, Cos, Sin, ids, grp,
-                 lane):
+    def consumer(C, Bias, Ag_s, W_s, Wg_s, C_l, Cx_l, Cg_s, Cs_l, Sn_l, Xr_l, full, empty, go, Pos, Cos, Sin, ids,
+                 grp, lane):
         T.set_max_nreg(CONSUMER_REGS, 1)
         if P:
             for w in T.serial(n_waves):
                 t = w * P + ids
                 if t < n_tiles:
-                    consume(C, Bias, Ag_s, W_s, Wg_s, C_l, Cx_l, Cg_s, Cs_l, Sn_l, full, empty, go, Pos, Cos, Sin,
-                            t // nbn, t % nbn, w, grp, lane)
+                    consume(C, Bias, Ag_s, W_s, Wg_s, C_l, Cx_l, Cg_s, Cs_l, Sn_l, Xr_l, full, empty, go, Pos, Cos,
+                            Sin, t // nbn, t % nbn, w, grp, lane)
         else:
-            consume(C, Bias, Ag_s, W_s, Wg_s, C_l, Cx_l, Cg_s, Cs_l, Sn_l, full, empty, go, Pos, Cos, Sin, ids[1],
-                    ids[0], 0, grp, lane)
+            consume(C, Bias, Ag_s, W_s, Wg_s, C_l, Cx_l, Cg_s, Cs_l, Sn_l, Xr_l, full, empty, go, Pos, Cos, Sin,
+                    ids[1], ids[0], 0, grp, lane)
         T.tma_store_wait(0)   # the staging tile (shared memory) must outlive the last store's reads
 
     @T.macro
@@ -366,6 +383,7 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
             C0x_l = T.alloc_fragment((hm, bn), F32) if geglu else None
             C1x_l = T.alloc_fragment((hm, bn), F32) if geglu else None
             cs = [T.alloc_fragment((hm, 32), F32) for _ in range(4)] if rope_cols else [None] * 4
+            xr = [T.alloc_fragment((hm, 32), F32) for _ in range(2)] if rope_cols and cfg.rope_regs else [None] * 2
             full = T.alloc_barrier([PRODUCER_THREADS] * S)
             empty = T.alloc_barrier([CONSUMER_WARPS] * S)
             go = T.alloc_barrier([CONSUMER_WARPS // 2]) if stagger else None   # the first consumer's 4 warps
@@ -386,11 +404,11 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
                 else:
                     produce(A, W, A0_s, A1_s, W_s, Wg_s, full, empty, ids[1], ids[0], 0)
             elif tx < PRODUCER_THREADS + 128:
-                consumer(C, Bias, A0_s, W_s, Wg_s, C0_l, C0x_l, C0_s, cs[0], cs[1], full, empty, go, Pos, Cos, Sin,
-                         ids, 0, lane)
+                consumer(C, Bias, A0_s, W_s, Wg_s, C0_l, C0x_l, C0_s, cs[0], cs[1], xr[0], full, empty, go, Pos, Cos,
+                         Sin, ids, 0, lane)
             else:
-                consumer(C, Bias, A1_s, W_s, Wg_s, C1_l, C1x_l, C1_s, cs[2], cs[3], full, empty, go, Pos, Cos, Sin,
-                         ids, 1, lane)
+                consumer(C, Bias, A1_s, W_s, Wg_s, C1_l, C1x_l, C1_s, cs[2], cs[3], xr[1], full, empty, go, Pos, Cos,
+                         Sin, ids, 1, lane)
 
     if geglu:
         @T.prim_func
@@ -445,7 +463,7 @@ GEMM = GemmWSConfig(bm=128, bn=256, bk=64, stages=4, persistent=132, inflight=0)
 GEGLU = GemmWSConfig(bm=128, bn=128, bk=64, stages=4, persistent=132, inflight=0, joint=True)
 # Other configs bench/fast_path.py times beside the defaults (keyed by geglu) and runs when faster
 ALTERNATIVES: dict[bool, tuple[GemmWSConfig, ...]] = {
-    False: (replace(GEMM, stagger=2), replace(GEMM, stagger=3)),
+    False: (replace(GEMM, stagger=3), replace(GEMM, rope_regs=True), replace(GEMM, stagger=3, rope_regs=True)),
     True: (replace(GEGLU, joint=False), replace(GEGLU, stagger=2), replace(GEGLU, stagger=3)),
 }
 # A measured winner per form (geglu -> config) that `pick` prefers to the default: bench/fast_path.py fills it in

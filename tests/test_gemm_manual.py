@@ -105,6 +105,10 @@ def test_manual_kernels_compile_for_hopper(monkeypatch):
     # staggered: the second consumer waits (once, on its first tile) for the first's arrival after 2 k-steps
     st = gm.gemm_manual_kernel(3072, 1024, replace(gm.GEMM, stagger=2), rope_cols=2048).get_kernel_source()
     assert "go[0].init(4)" in st and st.count("go[0].wait(0)") == 1 and "(k_1 == 1)" in st
+    # RoPE in registers: no shared-memory rotation (no Cg_s reads back into registers before the store)
+    q = gm.gemm_manual_kernel(3072, 1024, replace(gm.GEMM, rope_regs=True), rope_cols=2048).get_kernel_source()
+    assert "_c128x256x64s4p132w0q_r2048" in q and "__bfloat1622float2" in q
+    assert "= *(uint2*)(((bfloat16_t*)C0_s)" not in q and "= *(uint2*)(((bfloat16_t*)C0_s)" in rs
     bs = gm.gemm_manual_kernel(4096, 1024, gm.GEMM, bias=True, act="relu", dtype=F16).get_kernel_source()
     assert "Bias" in bs and "kFloat16" in bs and "_ifloat16_b1_arelu" in bs
     with pytest.raises(ValueError, match="RoPE"):
@@ -154,7 +158,7 @@ def test_manual_gemm_with_rope_equals_gemm_then_rope(M):
     two_step = _poison(M, 3072)
     gm.gemm_manual_kernel(3072, 1024, gm.GEMM)(a, w, z, two_step)
     rope.rope(two_step, pos, cos, sin, heads)
-    for cfg in (gm.GEMM, replace(gm.GEMM, stagger=2)):
+    for cfg in (gm.GEMM, replace(gm.GEMM, stagger=2), replace(gm.GEMM, rope_regs=True)):
         fused = _poison(M, 3072)
         gm.gemm_manual_kernel(3072, 1024, cfg, rope_cols=2048)(a, w, z, fused, pos, cos, sin)
         assert torch.isfinite(fused.float()).all()
