@@ -17,9 +17,12 @@ next tile's loads on the H200. Here, CUTLASS's "warp-specialised cooperative" sc
   barrier, or (inflight=0) wait for this batch and release its stage at once;
 * epilogue per consumer: bias / activation / GELU x gate on the fragment, fragment -> 16-bit shared tile -> TMA
   store (it clips rows >= M and columns >= N at the tensor bound, and TMA loads zero-fill past M and K, so any
-  runtime M works). The RoPE form rotates each staged Q/K head in place from its rounded value with fp32 math (as
-  kernels/rope.py does to the stored output); each tile's cosines and sines are loaded into registers before its
-  main loop, so no global load sits between a head's staging and its store (0.722 -> 0.691 ms at 65536 rows).
+  runtime M works). The RoPE form rotates each Q/K head from its rounded value with fp32 math (as kernels/rope.py
+  does to the stored output), in registers before staging (`rope_regs`, the default: a head's columns d and d + 32
+  sit in one thread) or in the staged tile; each tile's cosines and sines are loaded into registers before its main
+  loop (0.722 -> 0.691 ms at 65536 rows, eleventh session; in registers 0.650 against 0.672, twelfth).
+  GeGLU's default `joint` form loads both halves' W tiles into one 2 * bn-row stage tile and runs one n=256 wgmma a
+  k-step (GELU half in accumulator columns < bn, gate half above; paired in registers).
 
 `persistent > 0` launches that many blocks (one per SM; `pick` uses the device's SM count) that walk the output
 tiles in row-major tile order (tile t -> row block t // nbn, column block t % nbn, so a wave shares W in L2); the
@@ -457,14 +460,17 @@ def gemm_manual_kernel(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias:
 
 
 # What the forward uses for more than gemm.SMALL_M tokens on Hopper (one persistent block per SM): 128 x 256 x 64
-# tiles, 4 stages, output 64 columns at a time; GeGLU 128 x 128 (of each half) x 64, 4 stages, a whole staged tile;
-# both wait for each k-step's batch (inflight=0: as fast or 1-3% faster than one batch in flight on the H200)
-GEMM = GemmWSConfig(bm=128, bn=256, bk=64, stages=4, persistent=132, inflight=0)
+# tiles, 4 stages, output 64 columns at a time, Wqkv's RoPE in registers; GeGLU 128 x 128 (of each half) x 64, 4
+# stages, one joint n=256 product, a whole staged tile; both wait for each k-step's batch (inflight=0: as fast or 1-3%
+# faster than one batch in flight on the H200). Twelfth session (H200, bench/fast_path.py): Wqkv + RoPE 0.650 ms in
+# registers against 0.672 through shared memory; GeGLU joint 590-617 TF/s against 573-602 for two n=128 products.
+# Staggered consumers measured -2% to +3% per shape across two runs (noise on those hosts): an alternative only.
+GEMM = GemmWSConfig(bm=128, bn=256, bk=64, stages=4, persistent=132, inflight=0, rope_regs=True)
 GEGLU = GemmWSConfig(bm=128, bn=128, bk=64, stages=4, persistent=132, inflight=0, joint=True)
 # Other configs bench/fast_path.py times beside the defaults (keyed by geglu) and runs when faster
 ALTERNATIVES: dict[bool, tuple[GemmWSConfig, ...]] = {
-    False: (replace(GEMM, stagger=3), replace(GEMM, rope_regs=True), replace(GEMM, stagger=3, rope_regs=True)),
-    True: (replace(GEGLU, joint=False), replace(GEGLU, stagger=2), replace(GEGLU, stagger=3)),
+    False: (replace(GEMM, stagger=3), replace(GEMM, rope_regs=False)),
+    True: (replace(GEGLU, joint=False), replace(GEGLU, stagger=2)),
 }
 # A measured winner per form (geglu -> config) that `pick` prefers to the default: bench/fast_path.py fills it in
 # the process it benchmarks, as kernels/gemm.py's TUNED

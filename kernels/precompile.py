@@ -149,7 +149,7 @@ def manual_test_specs() -> list[tuple[str, tuple]]:
              (1024, 1024, True, "gelu"), (1024, 1000, False, "none")]
     out = [("gemm_ws", (N, K, c, b, a, 0, False, BF)) for c in cfgs for N, K, b, a in prods]
     out += [("gemm_ws", (3072, 1024, c, False, "none", 2048, False, BF))
-            for c in (_gm.GEMM, replace(_gm.GEMM, stagger=2), replace(_gm.GEMM, rope_regs=True))]
+            for c in (_gm.GEMM, replace(_gm.GEMM, stagger=2), replace(_gm.GEMM, rope_regs=False))]
     out += [("gemm_ws", (2624, 1024, c, False, "none", 0, True, BF)) for c in GEGLU_TEST_CFGS]
     out += [("gemm_ws", (1024, 1024, _gm.GEMM, True, "none", 0, False, torch.float16))]
     out += [("gemm_ws", (2624, 1024, c, False, "none", 0, True, torch.float16))

@@ -21,7 +21,7 @@ BF, F16 = torch.bfloat16, torch.float16
 
 
 def test_configs_and_tags():
-    assert gm.GEMM.tag() == "128x256x64s4p132w0" and gm.GEMM.epilogue() == "chunk"
+    assert gm.GEMM.tag() == "128x256x64s4p132w0q" and gm.GEMM.epilogue() == "chunk"
     assert gm.GEGLU.tag() == "128x128x64s4p132w0j" and gm.GEGLU.epilogue(2) == "full"
     assert gm.GemmWSConfig(stages=4).epilogue() == "alias"
     gm.check_config(gm.GEGLU, 2)
@@ -33,7 +33,7 @@ def test_configs_and_tags():
     assert two.tag() == "128x128x64s4p132w0" and two.smem_bytes(2) == gm.GEGLU.smem_bytes(2)
     with pytest.raises(ValueError, match="joint"):
         gm.check_config(replace(gm.GEMM, joint=True), 1)
-    assert replace(gm.GEMM, stagger=2).tag() == "128x256x64s4p132w0g2"
+    assert replace(gm.GEMM, stagger=2).tag() == "128x256x64s4p132w0g2q"
     with pytest.raises(ValueError, match="stagger"):
         gm.check_config(replace(gm.GEMM, stagger=4))
 
@@ -94,7 +94,7 @@ def test_manual_kernels_compile_for_hopper(monkeypatch):
         assert ("* 132)" in src) == bool(cfg.persistent)
     one = gm.gemm_manual_kernel(3072, 1024, gm.GemmWSConfig(stages=4, persistent=132, inflight=1)).get_kernel_source()
     assert "wait_wgmma<1>" in one   # one batch in flight: the previous step's stage released after it
-    rs = gm.gemm_manual_kernel(3072, 1024, gm.GEMM, rope_cols=2048).get_kernel_source()
+    rs = gm.gemm_manual_kernel(3072, 1024, replace(gm.GEMM, rope_regs=False), rope_cols=2048).get_kernel_source()
     assert "Cos" in rs and "Sin" in rs and "_r2048" in rs and "% 12) < 8" in rs   # 8 of 12 column tiles rotate
     gs = gm.gemm_manual_kernel(2624, 1024, replace(gm.GEGLU, joint=False), geglu=True).get_kernel_source()
     assert "erff" in gs and "lf_geglu_ws" in gs and gs.count("tma_load(Wi_desc") == 2
@@ -106,7 +106,7 @@ def test_manual_kernels_compile_for_hopper(monkeypatch):
     st = gm.gemm_manual_kernel(3072, 1024, replace(gm.GEMM, stagger=2), rope_cols=2048).get_kernel_source()
     assert "go[0].init(4)" in st and st.count("go[0].wait(0)") == 1 and "(k_1 == 1)" in st
     # RoPE in registers: no shared-memory rotation (no Cg_s reads back into registers before the store)
-    q = gm.gemm_manual_kernel(3072, 1024, replace(gm.GEMM, rope_regs=True), rope_cols=2048).get_kernel_source()
+    q = gm.gemm_manual_kernel(3072, 1024, gm.GEMM, rope_cols=2048).get_kernel_source()
     assert "_c128x256x64s4p132w0q_r2048" in q and "__bfloat1622float2" in q
     assert "= *(uint2*)(((bfloat16_t*)C0_s)" not in q and "= *(uint2*)(((bfloat16_t*)C0_s)" in rs
     bs = gm.gemm_manual_kernel(4096, 1024, gm.GEMM, bias=True, act="relu", dtype=F16).get_kernel_source()
@@ -158,7 +158,7 @@ def test_manual_gemm_with_rope_equals_gemm_then_rope(M):
     two_step = _poison(M, 3072)
     gm.gemm_manual_kernel(3072, 1024, gm.GEMM)(a, w, z, two_step)
     rope.rope(two_step, pos, cos, sin, heads)
-    for cfg in (gm.GEMM, replace(gm.GEMM, stagger=2), replace(gm.GEMM, rope_regs=True)):
+    for cfg in (gm.GEMM, replace(gm.GEMM, stagger=2), replace(gm.GEMM, rope_regs=False)):
         fused = _poison(M, 3072)
         gm.gemm_manual_kernel(3072, 1024, cfg, rope_cols=2048)(a, w, z, fused, pos, cos, sin)
         assert torch.isfinite(fused.float()).all()
