@@ -153,6 +153,50 @@ def attention_dense(qkv: torch.Tensor, tok_row: torch.Tensor, pos: torch.Tensor,
     return o[0].transpose(0, 1).reshape(Ttok, heads * HEAD_DIM).to(qkv.dtype)
 
 
+def _block_steps(T, window: int, bm: int, bn: int, scale: float, lean: bool):
+    """Two per-key-block steps as TileLang macros, shared by the kernels: `mask(s, kb, q0, L)` (the lean kernels':
+    raw scores, only a block crossing the row's end or the window's edge is masked, a block-uniform test) and
+    `online(s, m, m_prev, sc, ms, rs, lsum)` (scores -> probabilities relative to the new running max, sc the old
+    max's correction, lsum updated; lean: raw scores and max, the scale folded into the exponent's FFMA)."""
+
+    @T.macro
+    def mask(s, kb, q0, L):
+        edge = kb * bn + bn > L
+        if window > 0:
+            edge = edge | (kb * bn + bn - 1 - q0 > window) | (q0 + bm - 1 - kb * bn > window)
+            if edge:
+                for i, j in T.Parallel(bm, bn):
+                    s[i, j] = T.if_then_else((kb * bn + j < L) & (q0 + i - kb * bn - j <= window)
+                                             & (kb * bn + j - q0 - i <= window), s[i, j], NEG)
+        else:
+            if edge:
+                for i, j in T.Parallel(bm, bn):
+                    s[i, j] = T.if_then_else(kb * bn + j < L, s[i, j], NEG)
+
+    @T.macro
+    def online(s, m, m_prev, sc, ms, rs, lsum):
+        T.copy(m, m_prev)
+        T.reduce_max(s, m, dim=1, clear=False)
+        if lean:
+            # m is in raw units: the scale multiplies both terms of the exponent (a masked score, -1e30 * c, still
+            # underflows to 0 once the row has met a real key)
+            for i in T.Parallel(bm):
+                sc[i] = T.exp2((m_prev[i] - m[i]) * scale)
+                ms[i] = m[i] * scale
+            for i, j in T.Parallel(bm, bn):
+                s[i, j] = T.exp2(s[i, j] * scale - ms[i])
+        else:
+            for i in T.Parallel(bm):
+                sc[i] = T.exp2(m_prev[i] - m[i])
+            for i, j in T.Parallel(bm, bn):
+                s[i, j] = T.exp2(s[i, j] - m[i])
+        T.reduce_sum(s, rs, dim=1)
+        for i in T.Parallel(bm):
+            lsum[i] = lsum[i] * sc[i] + rs[i]
+
+    return mask, online
+
+
 def build_attention(heads: int, window: int = 0, cfg: AttnConfig = DEFAULT, dtype: str = "bfloat16"):
     """The PrimFunc main(QKV[Ttok,3H*64] dtype, Cu[NC] i32, Tiles[NT,2] i32, O[Ttok,H*64] dtype); dtype bfloat16
     or float16 (the probabilities enter the second product in it too)."""
@@ -167,6 +211,7 @@ def build_attention(heads: int, window: int = 0, cfg: AttnConfig = DEFAULT, dtyp
     HD = heads * D
     scale = D ** -0.5 * LOG2E
     DT, F32, I32 = dtype, _tl.F32, _tl.I32
+    mask, online = _block_steps(T, window, bm, bn, scale, cfg.lean)
 
     @T.prim_func
     def main(QKV: T.Tensor((Ttok, 3 * HD), DT), Cu: T.Tensor((NC,), I32), Tiles: T.Tensor((NT, 2), I32),
@@ -214,19 +259,7 @@ def build_attention(heads: int, window: int = 0, cfg: AttnConfig = DEFAULT, dtyp
                 T.copy(QKV[start + kb * bn, HD + bh * D], K_s)
                 if cfg.lean:
                     T.gemm(Q_s, K_s, s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow, clear_accum=True)
-                    # raw scores; only a block crossing the row's end (or the window's edge) is masked
-                    edge = kb * bn + bn > L
-                    if window > 0:
-                        edge = edge | (kb * bn + bn - 1 - q0 > window) | (q0 + bm - 1 - kb * bn > window)
-                        if edge:
-                            for i, j in T.Parallel(bm, bn):
-                                s[i, j] = T.if_then_else(
-                                    (kb * bn + j < L) & (q0 + i - kb * bn - j <= window)
-                                    & (kb * bn + j - q0 - i <= window), s[i, j], NEG)
-                    else:
-                        if edge:
-                            for i, j in T.Parallel(bm, bn):
-                                s[i, j] = T.if_then_else(kb * bn + j < L, s[i, j], NEG)
+                    mask(s, kb, q0, L)
                 else:
                     T.clear(s)
                     T.gemm(Q_s, K_s, s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
@@ -239,24 +272,7 @@ def build_attention(heads: int, window: int = 0, cfg: AttnConfig = DEFAULT, dtyp
                         for i, j in T.Parallel(bm, bn):
                             s[i, j] = T.if_then_else(kb * bn + j < L, s[i, j] * scale, NEG)
                 T.copy(QKV[start + kb * bn, 2 * HD + bh * D], V_s)
-                T.copy(m, m_prev)
-                T.reduce_max(s, m, dim=1, clear=False)
-                if cfg.lean:
-                    # m is in raw units: the scale multiplies both terms of the exponent (a masked score,
-                    # -1e30 * c, still underflows to 0 once the row has met a real key)
-                    for i in T.Parallel(bm):
-                        sc[i] = T.exp2((m_prev[i] - m[i]) * scale)
-                        ms[i] = m[i] * scale
-                    for i, j in T.Parallel(bm, bn):
-                        s[i, j] = T.exp2(s[i, j] * scale - ms[i])
-                else:
-                    for i in T.Parallel(bm):
-                        sc[i] = T.exp2(m_prev[i] - m[i])
-                    for i, j in T.Parallel(bm, bn):
-                        s[i, j] = T.exp2(s[i, j] - m[i])
-                T.reduce_sum(s, rs, dim=1)
-                for i in T.Parallel(bm):
-                    lsum[i] = lsum[i] * sc[i] + rs[i]
+                online(s, m, m_prev, sc, ms, rs, lsum)
                 T.copy(s, s_c)
                 for i, j in T.Parallel(bm, D):
                     acc[i, j] = acc[i, j] * sc[i]
@@ -298,31 +314,13 @@ def build_attention_overlap(heads: int, window: int = 0, cfg: AttnConfig = OVERL
     scale = D ** -0.5 * LOG2E
     DT, F32, I32 = dtype, _tl.F32, _tl.I32
     regs = bm * bn // 128          # fp32 registers a thread holds of a 64 x 64 fragment
+    mask, online = _block_steps(T, window, bm, bn, scale, True)
 
     @T.macro
     def softmax(s, m, m_prev, sc, ms, rs, lsum, kb, q0, L):
         # raw scores in s -> probabilities (fp32, relative to the new running max); sc: the old max's correction
-        edge = kb * bn + bn > L
-        if window > 0:
-            edge = edge | (kb * bn + bn - 1 - q0 > window) | (q0 + bm - 1 - kb * bn > window)
-            if edge:
-                for i, j in T.Parallel(bm, bn):
-                    s[i, j] = T.if_then_else((kb * bn + j < L) & (q0 + i - kb * bn - j <= window)
-                                             & (kb * bn + j - q0 - i <= window), s[i, j], NEG)
-        else:
-            if edge:
-                for i, j in T.Parallel(bm, bn):
-                    s[i, j] = T.if_then_else(kb * bn + j < L, s[i, j], NEG)
-        T.copy(m, m_prev)
-        T.reduce_max(s, m, dim=1, clear=False)
-        for i in T.Parallel(bm):
-            sc[i] = T.exp2((m_prev[i] - m[i]) * scale)
-            ms[i] = m[i] * scale
-        for i, j in T.Parallel(bm, bn):
-            s[i, j] = T.exp2(s[i, j] * scale - ms[i])
-        T.reduce_sum(s, rs, dim=1)
-        for i in T.Parallel(bm):
-            lsum[i] = lsum[i] * sc[i] + rs[i]
+        mask(s, kb, q0, L)
+        online(s, m, m_prev, sc, ms, rs, lsum)
 
     @T.prim_func
     def main(QKV: T.Tensor((Ttok, 3 * HD), DT), Cu: T.Tensor((NC,), I32), Tiles: T.Tensor((NT, 2), I32),
