@@ -454,6 +454,6 @@ def attention_flops(lengths, heads: int, window: int = 0) -> float:
     return total
 
 
-__all__ = ["AttnConfig", "DEFAULT", "LEAN", "UNSPECIALISED", "UNGUARDED", "WARP_SPECIALISED", "CANDIDATES", "HEAD_DIM",
-           "tile_table", "attention_ref", "attention_dense", "build_attention", "attention_kernel", "attention",
-           "attention_flops"]
+__all__ = ["AttnConfig", "DEFAULT", "LEAN", "OVERLAP", "UNSPECIALISED", "UNGUARDED", "WARP_SPECIALISED", "CANDIDATES",
+           "HEAD_DIM", "tile_table", "attention_ref", "attention_dense", "build_attention", "build_attention_overlap",
+           "check_overlap_config", "attention_kernel", "attention", "attention_flops"]
