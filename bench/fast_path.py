@@ -956,6 +956,14 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=28, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     sections = ("gemm", "add_ln", "attention", "numerics", "latency", "profile", "offline", "hf", "upstream")
+    skip_attn = [t for t in a.skip_attention.split(",") if t]
+    if skip_attn:   # a misspelt tag would silently run its candidate
+        from kernels.attention import CANDIDATES
+
+        tags = [c.tag() for c in CANDIDATES]
+        bad = [t for t in skip_attn if t not in tags]
+        if bad:
+            ap.error("--skip-attention: unknown %s (candidates: %s)" % (", ".join(bad), ", ".join(tags)))
     if any(x not in sections for x in a.skip):  # a misspelt section would silently run
         ap.error("--skip: unknown %s (use %s)" % (", ".join(x for x in a.skip if x not in sections),
                                                  ", ".join(sections)))
@@ -1031,7 +1039,7 @@ def main(argv=None) -> int:
         try:
             attn_cfg = section_attention(res, 16 if (a.make or "modernbert-large") == "modernbert-large" else 12,
                                          28 if (a.make or "modernbert-large") == "modernbert-large" else 22,
-                                         skip=tuple(t for t in a.skip_attention.split(",") if t))
+                                         skip=tuple(skip_attn))
         except Exception:
             res.setdefault("errors", {})["attention"] = traceback.format_exc()
             log(traceback.format_exc())

@@ -293,3 +293,18 @@ def test_fast_gpu_graphs_match_eager_kernels(bundle, fast_gpu, rows):
     lb, pb = fast_gpu.forward(rows[:11])
     np.testing.assert_allclose(la, lb, atol=1e-5)
     np.testing.assert_allclose(pa, pb, atol=1e-6)
+
+
+def test_benchmark_rejects_an_unknown_attention_tag_to_skip():
+    """bench/fast_path.py --skip-attention: a misspelt tag is an error naming it and the candidates, not a silent run
+    of the candidate it meant (no GPU needed: the check runs before any section)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, str(root / "bench" / "fast_path.py"), "--device", "cpu",
+                        "--skip-attention", "64x64s1t128gnlv,64x64nope"], capture_output=True, text=True, cwd=root,
+                       timeout=120)
+    assert r.returncode == 2
+    assert "--skip-attention: unknown 64x64nope" in r.stderr and "64x64s1t128gnlv" in r.stderr
