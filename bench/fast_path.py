@@ -952,6 +952,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run of the script")
     ap.add_argument("--attention-child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--skip-attention", default="", help="attention candidate tags (comma-separated) not to run")
+    ap.add_argument("--skip-manual", default="",
+                    help="tags of kernels/gemm_manual.py ALTERNATIVES (comma-separated) not to time or run")
     ap.add_argument("--heads", type=int, default=16, help=argparse.SUPPRESS)
     ap.add_argument("--layers", type=int, default=28, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -964,6 +966,16 @@ def main(argv=None) -> int:
         bad = [t for t in skip_attn if t not in tags]
         if bad:
             ap.error("--skip-attention: unknown %s (candidates: %s)" % (", ".join(bad), ", ".join(tags)))
+    skip_manual = [t for t in a.skip_manual.split(",") if t]
+    if skip_manual:
+        from kernels import gemm_manual as GM
+
+        tags = [c.tag() for alts in GM.ALTERNATIVES.values() for c in alts]
+        bad = [t for t in skip_manual if t not in tags]
+        if bad:
+            ap.error("--skip-manual: unknown %s (alternatives: %s)" % (", ".join(bad), ", ".join(tags)))
+        for g, alts in GM.ALTERNATIVES.items():   # this process only: the forward never meets them either
+            GM.ALTERNATIVES[g] = tuple(c for c in alts if c.tag() not in skip_manual)
     if any(x not in sections for x in a.skip):  # a misspelt section would silently run
         ap.error("--skip: unknown %s (use %s)" % (", ".join(x for x in a.skip if x not in sections),
                                                  ", ".join(sections)))

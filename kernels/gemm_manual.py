@@ -57,6 +57,11 @@ from . import _tl
 
 PRODUCER_REGS = 40
 CONSUMER_REGS = 232
+# with epilogue warps (GemmWSConfig.epi_wg), warp 0 alone is the producer and warps 1-3 run the epilogue: no
+# `setmaxnreg` then (it is per warpgroup), every thread keeps the 168 registers a 384-thread block gets. (ptxas
+# allocates a kernel's registers for its launch bound, 168 here, whatever setmaxnreg later grants: a fourth
+# warpgroup would cap every role at 128, too few for a 128-register accumulator.)
+EPI_THREADS = 96
 EPI_BARRIER = 8          # named barriers EPI_BARRIER + g (g = 0, 1): one per consumer warpgroup's epilogue
 PRODUCER_THREADS = 128
 CONSUMER_WARPS = 8       # the empty barriers count one arrival per consumer warp (its lane 0)
@@ -95,20 +100,31 @@ class GemmWSConfig:
     # the same thread, as GeGLU's halves do), instead of in the staged shared tile behind one more barrier; the same
     # arithmetic (from the 16-bit rounded value, fp32 math)
     rope_regs: bool = False
+    # GeGLU (joint, persistent) only: epi_wg > 0 moves the epilogue to the producer warpgroup's three idle warps
+    # (warp 0 alone issues the loads). The consumers hand their fp32 accumulators over through shared memory,
+    # epi_wg columns of each half at a time (a double buffer when two fit beside the ring), and go on to the next
+    # tile's products at once; the epilogue warps compute GELU x gate from those fp32 values (the same arithmetic,
+    # so the same bits) and store 16 bytes a thread straight to global memory. The tensor cores then no longer wait
+    # for 64 exact erfs a consumer thread each tile.
+    epi_wg: int = 0
 
     def tag(self) -> str:
         """A short text form, e.g. 128x256x64s4 (p132: persistent over 132 blocks; w0: inflight=0; j: joint; gN:
-        stagger N; q: RoPE in registers)."""
-        return "%dx%dx%ds%d%s%s%s%s%s" % (self.bm, self.bn, self.bk, self.stages,
-                                          "p%d" % self.persistent if self.persistent else "",
-                                          "" if self.inflight else "w0", "j" if self.joint else "",
-                                          "g%d" % self.stagger if self.stagger else "", "q" if self.rope_regs else "")
+        stagger N; q: RoPE in registers; eN: an epilogue warpgroup fed N columns at a time)."""
+        return "%dx%dx%ds%d%s%s%s%s%s%s" % (self.bm, self.bn, self.bk, self.stages,
+                                            "p%d" % self.persistent if self.persistent else "",
+                                            "" if self.inflight else "w0", "j" if self.joint else "",
+                                            "g%d" % self.stagger if self.stagger else "", "q" if self.rope_regs else "",
+                                            "e%d" % self.epi_wg if self.epi_wg else "")
 
     def epilogue(self, wt: int = 1) -> str:
         """How the consumers stage their output for the TMA store: "alias" (non-persistent, stages * bk == bn:
         onto their own A half-ring, free once their last wgmma batch is done), "full" (a bf16 bm x bn tile of
-        its own) or "chunk" (a double-buffered bm x EPI_COLS tile, stored EPI_COLS columns at a time: what a
-        persistent 4-stage 128x256x64 ring leaves room for)."""
+        its own), "chunk" (a double-buffered bm x EPI_COLS tile, stored EPI_COLS columns at a time: what a
+        persistent 4-stage 128x256x64 ring leaves room for) or "wg" (epi_wg: fp32 hand-over buffers for the
+        epilogue warpgroup)."""
+        if self.epi_wg:
+            return "wg"
         if not self.persistent and self.stages * self.bk == self.bn:
             return "alias"
         if self._ring_bytes(wt) + self.bm * self.bn * 2 <= SMEM_LIMIT - 1024:
@@ -118,10 +134,20 @@ class GemmWSConfig:
     def _ring_bytes(self, wt: int = 1) -> int:
         return self.stages * (self.bm + wt * self.bn) * self.bk * 2
 
+    def _handover_bytes(self) -> int:
+        # one hand-over buffer: both consumers' rows, epi_wg fp32 columns of each GeGLU half
+        return self.bm * 2 * self.epi_wg * 4
+
+    def handover_buffers(self, wt: int = 2) -> int:
+        """Hand-over buffers of the epilogue warpgroup: two (double-buffered) when they fit beside the ring."""
+        return 2 if self._ring_bytes(wt) + 2 * self._handover_bytes() <= SMEM_LIMIT - 1024 else 1
+
     def smem_bytes(self, wt: int = 1) -> int:
         """Dynamic shared memory: the ring (wt weight tiles a stage: 2 for GeGLU) and the staging tiles (16-bit);
         the mbarriers are static."""
         epi = self.epilogue(wt)
+        if epi == "wg":
+            return self._ring_bytes(wt) + self.handover_buffers(wt) * self._handover_bytes()
         return self._ring_bytes(wt) + {"alias": 0, "full": self.bm * self.bn * 2,
                                      "chunk": 2 * self.bm * EPI_COLS * 2}[epi]
 
@@ -151,6 +177,13 @@ def check_config(cfg: GemmWSConfig, wt: int = 1) -> None:
         raise ValueError("GeGLU keeps two accumulators: at most 128 fp32 registers a consumer thread for them")
     if cfg.joint and (wt != 2 or cfg.bn > 128):
         raise ValueError("joint is GeGLU's one-wgmma form: GeGLU only, bn at most 128 (2 * bn wgmma columns)")
+    if cfg.epi_wg:
+        if not (cfg.joint and cfg.persistent and cfg.bm == 128 and not cfg.stagger):
+            raise ValueError("epilogue warps (epi_wg) need the joint, persistent GeGLU form with bm 128 and "
+                             "no stagger")
+        if cfg.epi_wg not in (16, 32, 64) or cfg.bn % cfg.epi_wg or cfg.bn // cfg.epi_wg % cfg.handover_buffers(wt):
+            raise ValueError("epi_wg must be 16, 32 or 64 columns, dividing bn into a whole number of hand-overs per "
+                             "buffer")
 
 
 def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: bool = False, act: str = "none",
@@ -191,6 +224,12 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
     stagger = min(cfg.stagger, -(-K // bk))   # a first tile of fewer k-steps releases the other consumer at its end
     if joint:
         acc_regs *= 2                     # one accumulator of 2 * bn columns
+    ec = cfg.epi_wg                       # columns of each half per hand-over to the epilogue warpgroup
+    EB = cfg.handover_buffers(wt) if ec else 0
+    HO = bn // ec if ec else 0            # hand-overs a tile
+    CPR = ec // 8                         # 8-column chunks a row of a hand-over
+    NI = -(-bm * CPR // EPI_THREADS)      # chunk steps a hand-over (each epilogue thread: one chunk a step)
+    producers = 32 if ec else PRODUCER_THREADS
 
     @T.macro
     def produce(A, W, A0_s, A1_s, W_s, Wg_s, full, empty, by, bx, it):
@@ -294,8 +333,52 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
                 T.tma_copy(Cg_s, C[r0:r0 + hm, bx * bn:(bx + 1) * bn])
 
     @T.macro
+    def hand_over(C_l, E_s, efull, eempty, it, grp):
+        # the fp32 accumulator, ec columns of each half at a time, into the hand-over buffer (slabs b*4 + grp*2 for
+        # the GELU half, + 1 for the gate half): wait until the epilogue warpgroup has read the buffer's previous
+        # contents, write, arrive (every consumer thread: each one's writes are released by its own arrival)
+        for h in T.unroll(HO):
+            u = it * HO + h
+            b = h % EB                    # HO is a multiple of EB, so the buffer of hand-over h is fixed
+            T.mbarrier_wait_parity(eempty[b], ((u // EB) & 1) ^ 1)
+            T.copy(C_l[:, h * ec:(h + 1) * ec], E_s[b * 4 + grp * 2, :, :])
+            T.copy(C_l[:, bn + h * ec:bn + (h + 1) * ec], E_s[b * 4 + grp * 2 + 1, :, :])
+            T.mbarrier_arrive(efull[b])
+
+    @T.macro
+    def epilogue_wg(C, E_s, G_r, U_r, O_r, efull, eempty, by, bx, it, et):
+        # one tile's hand-overs: load this thread's chunks (chunk q = et + EPI_THREADS * i: tile row q // CPR, 8
+        # columns of each half), free the buffer, then GELU x gate in fp32 as the consumers' own epilogue computes
+        # it, 16 bytes a store; rows >= M and columns >= N (N % 8 == 0) are not stored
+        for h in T.unroll(HO):
+            u = it * HO + h
+            b = h % EB
+            T.mbarrier_wait_parity(efull[b], (u // EB) & 1)
+            for i in T.unroll(NI):
+                q = et + EPI_THREADS * i
+                if q < bm * CPR:
+                    # the row's consumer's slabs: b * 4 + 2 * grp (GELU half) and the next (gate half)
+                    slab = b * 4 + q // CPR // hm * 2
+                    for v in T.vectorized(8):
+                        G_r[i * 8 + v] = E_s[slab, q // CPR % hm, q % CPR * 8 + v]
+                    for v in T.vectorized(8):
+                        U_r[i * 8 + v] = E_s[slab + 1, q // CPR % hm, q % CPR * 8 + v]
+            T.mbarrier_arrive(eempty[b])
+            for i in T.unroll(NI):
+                q = et + EPI_THREADS * i
+                row = by * bm + q // CPR
+                col = bx * bn + h * ec + q % CPR * 8
+                for v in T.unroll(8):
+                    O_r[v] = T.Cast(DT, apply_act(G_r[i * 8 + v], "gelu", T) * U_r[i * 8 + v])
+                if q < bm * CPR:
+                    if row < M:
+                        if col < N:
+                            for v in T.vectorized(8):
+                                C[row, col + v] = O_r[v]
+
+    @T.macro
     def consume(C, Bias, Ag_s, W_s, Wg_s, C_l, Cx_l, Cg_s, Cs_l, Sn_l, Xr_l, full, empty, go, Pos, Cos, Sin, by, bx,
-                it, grp, lane):
+                it, grp, lane, E_s, efull, eempty):
         if rope_cols:
             if bx * bn < rope_cols:
                 # this tile's cosines and sines (one pair per row and frequency, shared by its heads), loaded before
@@ -341,27 +424,32 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
         T.warpgroup_fence_operand(C_l, num_regs=acc_regs)
         if geglu and not joint:
             T.warpgroup_fence_operand(Cx_l, num_regs=acc_regs)
-        if joint:
+        if ec:
+            hand_over(C_l, E_s, efull, eempty, it, grp)
+        elif joint:
             # the gate half into a fragment of its own: a parallel loop must index a fragment one way only, and
             # column j + bn sits in the thread that holds column j, so this is a renaming of registers
             for i, j in T.Parallel(hm, bn):
                 Cx_l[i, j] = C_l[i, bn + j]
-        epilogue(C, Bias, C_l, Cx_l, Cg_s, Cs_l, Sn_l, Xr_l, by, bx, grp)
+        if not ec:
+            epilogue(C, Bias, C_l, Cx_l, Cg_s, Cs_l, Sn_l, Xr_l, by, bx, grp)
 
     @T.macro
     def consumer(C, Bias, Ag_s, W_s, Wg_s, C_l, Cx_l, Cg_s, Cs_l, Sn_l, Xr_l, full, empty, go, Pos, Cos, Sin, ids,
-                 grp, lane):
-        T.set_max_nreg(CONSUMER_REGS, 1)
+                 grp, lane, E_s, efull, eempty):
+        if not ec:
+            T.set_max_nreg(CONSUMER_REGS, 1)
         if P:
             for w in T.serial(n_waves):
                 t = w * P + ids
                 if t < n_tiles:
                     consume(C, Bias, Ag_s, W_s, Wg_s, C_l, Cx_l, Cg_s, Cs_l, Sn_l, Xr_l, full, empty, go, Pos, Cos,
-                            Sin, t // nbn, t % nbn, w, grp, lane)
+                            Sin, t // nbn, t % nbn, w, grp, lane, E_s, efull, eempty)
         else:
             consume(C, Bias, Ag_s, W_s, Wg_s, C_l, Cx_l, Cg_s, Cs_l, Sn_l, Xr_l, full, empty, go, Pos, Cos, Sin,
-                    ids[1], ids[0], 0, grp, lane)
-        T.tma_store_wait(0)   # the staging tile (shared memory) must outlive the last store's reads
+                    ids[1], ids[0], 0, grp, lane, E_s, efull, eempty)
+        if not ec:
+            T.tma_store_wait(0)   # the staging tile (shared memory) must outlive the last store's reads
 
     @T.macro
     def body(A, W, Bias, C, Pos, Cos, Sin):
@@ -371,7 +459,16 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
             A1_s = T.alloc_shared((S, hm, bk), DT)
             W_s = T.alloc_shared((S, 2 * bn if joint else bn, bk), DT)
             Wg_s = T.alloc_shared((S, bn, bk), DT) if geglu and not joint else None
-            if epi == "alias":
+            E_s = G_r = U_r = O_r = efull = eempty = None
+            if epi == "wg":
+                C0_s = C1_s = None
+                E_s = T.alloc_shared((EB * 4, hm, ec), F32)
+                G_r = T.alloc_local((NI * 8,), F32)
+                U_r = T.alloc_local((NI * 8,), F32)
+                O_r = T.alloc_local((8,), DT)
+                efull = T.alloc_barrier([256] * EB)             # every consumer thread
+                eempty = T.alloc_barrier([EPI_THREADS] * EB)    # every epilogue thread
+            elif epi == "alias":
                 # a (hm, bn) view of the ring would need its own layout, and TileLang keys layouts by the
                 # storage ("Get different layout for A0_s"): the epilogue writes the ring's slabs instead
                 C0_s, C1_s = A0_s, A1_s
@@ -383,22 +480,25 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
                 C1_s = T.alloc_shared((2, hm, EPI_COLS), DT)
             C0_l = T.alloc_fragment((hm, 2 * bn if joint else bn), F32)
             C1_l = T.alloc_fragment((hm, 2 * bn if joint else bn), F32)
-            C0x_l = T.alloc_fragment((hm, bn), F32) if geglu else None
-            C1x_l = T.alloc_fragment((hm, bn), F32) if geglu else None
+            C0x_l = T.alloc_fragment((hm, bn), F32) if geglu and not ec else None
+            C1x_l = T.alloc_fragment((hm, bn), F32) if geglu and not ec else None
             cs = [T.alloc_fragment((hm, 32), F32) for _ in range(4)] if rope_cols else [None] * 4
             xr = [T.alloc_fragment((hm, 32), F32) for _ in range(2)] if rope_cols and cfg.rope_regs else [None] * 2
-            full = T.alloc_barrier([PRODUCER_THREADS] * S)
+            full = T.alloc_barrier([producers] * S)
             empty = T.alloc_barrier([CONSUMER_WARPS] * S)
             go = T.alloc_barrier([CONSUMER_WARPS // 2]) if stagger else None   # the first consumer's 4 warps
             ring = (A0_s, A1_s, W_s) + ((Wg_s,) if Wg_s is not None else ())
             layouts = {b: tilelang.layout.make_swizzled_layout(b) for b in ring}
-            if epi != "alias":
+            if epi == "wg":
+                layouts[E_s] = tilelang.layout.make_swizzled_layout(E_s)
+            elif epi != "alias":
                 layouts.update({b: tilelang.layout.make_swizzled_layout(b) for b in (C0_s, C1_s)})
             T.annotate_layout(layouts)
             tx = T.get_thread_binding()
             lane = tx % 32
-            if tx < PRODUCER_THREADS:
-                T.set_max_nreg(PRODUCER_REGS, 0)
+            if tx < producers:
+                if not ec:
+                    T.set_max_nreg(PRODUCER_REGS, 0)
                 if P:
                     for w in T.serial(n_waves):
                         t = w * P + ids
@@ -406,12 +506,18 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
                             produce(A, W, A0_s, A1_s, W_s, Wg_s, full, empty, t // nbn, t % nbn, w)
                 else:
                     produce(A, W, A0_s, A1_s, W_s, Wg_s, full, empty, ids[1], ids[0], 0)
+            elif ec and tx < PRODUCER_THREADS:
+                # epi_wg: the producer warpgroup's warps 1-3 run the epilogue
+                for w in T.serial(n_waves):
+                    t = w * P + ids
+                    if t < n_tiles:
+                        epilogue_wg(C, E_s, G_r, U_r, O_r, efull, eempty, t // nbn, t % nbn, w, tx - 32)
             elif tx < PRODUCER_THREADS + 128:
                 consumer(C, Bias, A0_s, W_s, Wg_s, C0_l, C0x_l, C0_s, cs[0], cs[1], xr[0], full, empty, go, Pos, Cos,
-                         Sin, ids, 0, lane)
-            else:
+                         Sin, ids, 0, lane, E_s, efull, eempty)
+            elif tx < PRODUCER_THREADS + 256:
                 consumer(C, Bias, A1_s, W_s, Wg_s, C1_l, C1x_l, C1_s, cs[2], cs[3], xr[1], full, empty, go, Pos, Cos,
-                         Sin, ids, 1, lane)
+                         Sin, ids, 1, lane, E_s, efull, eempty)
 
     if geglu:
         @T.prim_func
@@ -470,7 +576,7 @@ GEGLU = GemmWSConfig(bm=128, bn=128, bk=64, stages=4, persistent=132, inflight=0
 # Other configs bench/fast_path.py times beside the defaults (keyed by geglu) and runs when faster
 ALTERNATIVES: dict[bool, tuple[GemmWSConfig, ...]] = {
     False: (replace(GEMM, stagger=3), replace(GEMM, rope_regs=False)),
-    True: (replace(GEGLU, joint=False), replace(GEGLU, stagger=2)),
+    True: (replace(GEGLU, joint=False), replace(GEGLU, epi_wg=32), replace(GEGLU, epi_wg=16)),
 }
 # A measured winner per form (geglu -> config) that `pick` prefers to the default: bench/fast_path.py fills it in
 # the process it benchmarks, as kernels/gemm.py's TUNED

@@ -138,7 +138,7 @@ def test_specs() -> list[tuple[str, tuple]]:
 
 GEGLU_TEST_CFGS = (_gm.GEGLU, replace(_gm.GEGLU, inflight=1), replace(_gm.GEGLU, joint=False),
                    replace(_gm.GEGLU, joint=False, inflight=1), replace(_gm.GEGLU, persistent=0, stages=3),
-                   replace(_gm.GEGLU, stagger=3))
+                   replace(_gm.GEGLU, stagger=3), replace(_gm.GEGLU, epi_wg=32), replace(_gm.GEGLU, epi_wg=16))
 
 
 def manual_test_specs() -> list[tuple[str, tuple]]:
@@ -153,7 +153,7 @@ def manual_test_specs() -> list[tuple[str, tuple]]:
     out += [("gemm_ws", (2624, 1024, c, False, "none", 0, True, BF)) for c in GEGLU_TEST_CFGS]
     out += [("gemm_ws", (1024, 1024, _gm.GEMM, True, "none", 0, False, torch.float16))]
     out += [("gemm_ws", (2624, 1024, c, False, "none", 0, True, torch.float16))
-            for c in (_gm.GEGLU, replace(_gm.GEGLU, joint=False))]
+            for c in (_gm.GEGLU, replace(_gm.GEGLU, joint=False), replace(_gm.GEGLU, epi_wg=32))]
     return out
 
 

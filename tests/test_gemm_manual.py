@@ -36,6 +36,21 @@ def test_configs_and_tags():
     assert replace(gm.GEMM, stagger=2).tag() == "128x256x64s4p132w0g2q"
     with pytest.raises(ValueError, match="stagger"):
         gm.check_config(replace(gm.GEMM, stagger=4))
+    # epilogue warps: one fp32 hand-over buffer of 32 columns a half, or two of 16, beside the 4-stage ring
+    e32, e16 = replace(gm.GEGLU, epi_wg=32), replace(gm.GEGLU, epi_wg=16)
+    assert e32.tag() == "128x128x64s4p132w0je32" and e32.epilogue(2) == "wg"
+    assert (e32.handover_buffers(), e16.handover_buffers()) == (1, 2)
+    assert e32.smem_bytes(2) == e16.smem_bytes(2) == 4 * 48 * 1024 + 32 * 1024
+    gm.check_config(e32, 2)
+    gm.check_config(e16, 2)
+    with pytest.raises(ValueError, match="epilogue warps"):
+        gm.check_config(replace(gm.GEMM, epi_wg=32), 1)
+    with pytest.raises(ValueError, match="epilogue warps"):
+        gm.check_config(replace(e32, joint=False), 2)
+    with pytest.raises(ValueError, match="shared memory"):
+        gm.check_config(replace(gm.GEGLU, epi_wg=64), 2)   # 64 KiB of hand-over beside a 192 KiB ring
+    with pytest.raises(ValueError, match="epi_wg must be"):
+        gm.check_config(replace(gm.GEGLU, epi_wg=24), 2)
 
 
 def test_pick(monkeypatch):
@@ -102,6 +117,14 @@ def test_manual_kernels_compile_for_hopper(monkeypatch):
     js = gm.gemm_manual_kernel(2624, 1024, gm.GEGLU, geglu=True).get_kernel_source()
     assert js.count("tma_load(Wi_desc") == 2 and "_c128x128x64s4p132w0j" in js
     assert re.findall(r"wgmma_ss<[^>]*, 64, (\d+), 16", js) == ["256"] * 2   # one n=256 product a consumer
+    # epilogue warps: warp 0 loads, warps 1-3 compute GELU x gate and store 16 bytes a thread; the consumers only
+    # hand their accumulators over (no erf, no staging tile, no TMA store, no register reallocation)
+    es = gm.gemm_manual_kernel(2624, 1024, replace(gm.GEGLU, epi_wg=32), geglu=True).get_kernel_source()
+    assert "efull[0].init(256)" in es and "eempty[0].init(96)" in es and "full[0].init(32)" in es
+    assert "warpgroup_reg_alloc" not in es and "tma_store(" not in es and es.count("erff(") == 1
+    assert "*(uint4*)(C + " in es and es.index("erff(") < es.index("if (((int)threadIdx.x) < 256)")
+    e16 = gm.gemm_manual_kernel(2624, 1024, replace(gm.GEGLU, epi_wg=16), geglu=True).get_kernel_source()
+    assert "efull[1].init(256)" in e16 and "eempty[1].init(96)" in e16   # a double buffer
     # staggered: the second consumer waits (once, on its first tile) for the first's arrival after 2 k-steps
     st = gm.gemm_manual_kernel(3072, 1024, replace(gm.GEMM, stagger=2), rope_cols=2048).get_kernel_source()
     assert "go[0].init(4)" in st and st.count("go[0].wait(0)") == 1 and "(k_1 == 1)" in st
@@ -180,6 +203,22 @@ def test_manual_geglu(M, cfg):
 
 @gpu
 @needs_tilelang
+@pytest.mark.parametrize("M", [77, 40000])
+def test_epilogue_warps_same_bits(M):
+    """The epilogue warps compute GELU x gate from the same fp32 accumulators with the same arithmetic as the
+    consumers' own epilogue: every output bit is the default kernel's."""
+    a = torch.randn(M, 1024, device=DEV).bfloat16()
+    wi = (torch.randn(2 * 2624, 1024, device=DEV) / 32).bfloat16()
+    ref = _poison(M, 2624)
+    gm.gemm_manual_kernel(2624, 1024, gm.GEGLU, geglu=True)(a, wi, ref)
+    for ec in (32, 16):
+        out = _poison(M, 2624)
+        gm.gemm_manual_kernel(2624, 1024, replace(gm.GEGLU, epi_wg=ec), geglu=True)(a, wi, out)
+        assert torch.equal(out, ref), ec
+
+
+@gpu
+@needs_tilelang
 def test_manual_kernels_in_fp16():
     a = torch.randn(3000, 1024, device=DEV).half()
     w = (torch.randn(1024, 1024, device=DEV) / 32).half()
@@ -188,7 +227,7 @@ def test_manual_kernels_in_fp16():
     gm.gemm_manual_kernel(1024, 1024, gm.GEMM, True, "none", dtype=F16)(a, w, b, out)
     _close(out, gemm.gemm_ref(a, w, b), 1e-2)
     wi = (torch.randn(2 * 2624, 1024, device=DEV) / 32).half()
-    for cfg in (gm.GEGLU, replace(gm.GEGLU, joint=True)):
+    for cfg in (gm.GEGLU, replace(gm.GEGLU, joint=False), replace(gm.GEGLU, epi_wg=32)):
         g = _poison(3000, 2624, dtype=F16)
         gm.gemm_manual_kernel(2624, 1024, cfg, geglu=True, dtype=F16)(a, wi, g)
         _close(g, geglu.geglu_ref(a, wi), 1.5e-2)
