@@ -62,6 +62,7 @@ CONSUMER_REGS = 232
 # allocates a kernel's registers for its launch bound, 168 here, whatever setmaxnreg later grants: a fourth
 # warpgroup would cap every role at 128, too few for a 128-register accumulator.)
 EPI_THREADS = 96
+HANDOVER_BYTES = 32 * 1024   # the epilogue warps' buffer: half a 128 x 256 16-bit tile, as four 64 x 64 slabs
 EPI_BARRIER = 8          # named barriers EPI_BARRIER + g (g = 0, 1): one per consumer warpgroup's epilogue
 PRODUCER_THREADS = 128
 CONSUMER_WARPS = 8       # the empty barriers count one arrival per consumer warp (its lane 0)
@@ -100,29 +101,31 @@ class GemmWSConfig:
     # the same thread, as GeGLU's halves do), instead of in the staged shared tile behind one more barrier; the same
     # arithmetic (from the 16-bit rounded value, fp32 math)
     rope_regs: bool = False
-    # GeGLU (joint, persistent) only: epi_wg > 0 moves the epilogue to the producer warpgroup's three idle warps
-    # (warp 0 alone issues the loads). The consumers hand their fp32 accumulators over through shared memory,
-    # epi_wg columns of each half at a time (a double buffer when two fit beside the ring), and go on to the next
-    # tile's products at once; the epilogue warps compute GELU x gate from those fp32 values (the same arithmetic,
-    # so the same bits) and store 16 bytes a thread straight to global memory. The tensor cores then no longer wait
-    # for 64 exact erfs a consumer thread each tile.
-    epi_wg: int = 0
+    # Persistent only: epi_wg moves the epilogue to the producer warpgroup's three idle warps (warp 0 alone issues
+    # the loads). The consumers convert their accumulators to 16 bits (after the bias and activation, as the
+    # staged store does) and hand them over through one shared 32 KiB buffer in two halves: the epilogue warps take
+    # the first half into registers, free the buffer for the second, and compute and store (16 bytes a thread,
+    # straight to global memory) while the consumers run the next tile's products. A consumer waits for one load
+    # round trip a tile, not for the epilogue: GeGLU's 64 exact erfs a thread and Wqkv's RoPE leave the tensor
+    # cores' path. The plain and RoPE outputs are the same bits as the staged store's; GeGLU's GELU x gate is then
+    # computed from the 16-bit rounded halves (as an unfused GeGLU does), not from the fp32 accumulators.
+    epi_wg: bool = False
 
     def tag(self) -> str:
         """A short text form, e.g. 128x256x64s4 (p132: persistent over 132 blocks; w0: inflight=0; j: joint; gN:
-        stagger N; q: RoPE in registers; eN: an epilogue warpgroup fed N columns at a time)."""
+        stagger N; q: RoPE in registers; e: epilogue warps)."""
         return "%dx%dx%ds%d%s%s%s%s%s%s" % (self.bm, self.bn, self.bk, self.stages,
                                             "p%d" % self.persistent if self.persistent else "",
                                             "" if self.inflight else "w0", "j" if self.joint else "",
                                             "g%d" % self.stagger if self.stagger else "", "q" if self.rope_regs else "",
-                                            "e%d" % self.epi_wg if self.epi_wg else "")
+                                            "e" if self.epi_wg else "")
 
     def epilogue(self, wt: int = 1) -> str:
         """How the consumers stage their output for the TMA store: "alias" (non-persistent, stages * bk == bn:
         onto their own A half-ring, free once their last wgmma batch is done), "full" (a bf16 bm x bn tile of
         its own), "chunk" (a double-buffered bm x EPI_COLS tile, stored EPI_COLS columns at a time: what a
-        persistent 4-stage 128x256x64 ring leaves room for) or "wg" (epi_wg: fp32 hand-over buffers for the
-        epilogue warpgroup)."""
+        persistent 4-stage 128x256x64 ring leaves room for) or "wg" (epi_wg: the epilogue warps' 16-bit
+        hand-over buffer)."""
         if self.epi_wg:
             return "wg"
         if not self.persistent and self.stages * self.bk == self.bn:
@@ -134,20 +137,12 @@ class GemmWSConfig:
     def _ring_bytes(self, wt: int = 1) -> int:
         return self.stages * (self.bm + wt * self.bn) * self.bk * 2
 
-    def _handover_bytes(self) -> int:
-        # one hand-over buffer: both consumers' rows, epi_wg fp32 columns of each GeGLU half
-        return self.bm * 2 * self.epi_wg * 4
-
-    def handover_buffers(self, wt: int = 2) -> int:
-        """Hand-over buffers of the epilogue warpgroup: two (double-buffered) when they fit beside the ring."""
-        return 2 if self._ring_bytes(wt) + 2 * self._handover_bytes() <= SMEM_LIMIT - 1024 else 1
-
     def smem_bytes(self, wt: int = 1) -> int:
         """Dynamic shared memory: the ring (wt weight tiles a stage: 2 for GeGLU) and the staging tiles (16-bit);
         the mbarriers are static."""
         epi = self.epilogue(wt)
         if epi == "wg":
-            return self._ring_bytes(wt) + self.handover_buffers(wt) * self._handover_bytes()
+            return self._ring_bytes(wt) + HANDOVER_BYTES
         return self._ring_bytes(wt) + {"alias": 0, "full": self.bm * self.bn * 2,
                                      "chunk": 2 * self.bm * EPI_COLS * 2}[epi]
 
@@ -178,12 +173,12 @@ def check_config(cfg: GemmWSConfig, wt: int = 1) -> None:
     if cfg.joint and (wt != 2 or cfg.bn > 128):
         raise ValueError("joint is GeGLU's one-wgmma form: GeGLU only, bn at most 128 (2 * bn wgmma columns)")
     if cfg.epi_wg:
-        if not (cfg.joint and cfg.persistent and cfg.bm == 128 and not cfg.stagger):
-            raise ValueError("epilogue warps (epi_wg) need the joint, persistent GeGLU form with bm 128 and "
-                             "no stagger")
-        if cfg.epi_wg not in (16, 32, 64) or cfg.bn % cfg.epi_wg or cfg.bn // cfg.epi_wg % cfg.handover_buffers(wt):
-            raise ValueError("epi_wg must be 16, 32 or 64 columns, dividing bn into a whole number of hand-overs per "
-                             "buffer")
+        if not (cfg.persistent and cfg.bm == 128 and not cfg.stagger and (cfg.joint or wt == 1)):
+            raise ValueError("epilogue warps (epi_wg) need a persistent kernel with bm 128, no stagger and, for "
+                             "GeGLU, the joint form")
+        if cfg.bn != (128 if wt == 2 else 256):
+            raise ValueError("epilogue warps take a tile in two 128-column halves: bn must be 256 (128 of each "
+                             "GeGLU half)")
 
 
 def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: bool = False, act: str = "none",
@@ -201,8 +196,11 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
     check_config(cfg, wt)
     if act not in ACTS:
         raise ValueError("act must be one of %s, got %r" % (ACTS, act))
-    if rope_cols and (rope_cols % EPI_COLS or act != "none" or geglu or cfg.epilogue(wt) != "chunk"):
-        raise ValueError("a RoPE epilogue needs rope_cols a multiple of 64, no activation and a chunked epilogue")
+    if rope_cols and (rope_cols % EPI_COLS or act != "none" or geglu or cfg.epilogue(wt) not in ("chunk", "wg")):
+        raise ValueError("a RoPE epilogue needs rope_cols a multiple of 64, no activation and a chunked epilogue "
+                         "or epilogue warps")
+    if cfg.epi_wg and (N % 8 or rope_cols and N % 64):
+        raise ValueError("epilogue warps store 8 columns at a time: N must be a multiple of 8 (of 64 with RoPE)")
     if geglu and (bias or act != "none"):
         raise ValueError("the GeGLU form takes no bias or activation")
     tilelang, T = _tl.tl()
@@ -224,11 +222,12 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
     stagger = min(cfg.stagger, -(-K // bk))   # a first tile of fewer k-steps releases the other consumer at its end
     if joint:
         acc_regs *= 2                     # one accumulator of 2 * bn columns
-    ec = cfg.epi_wg                       # columns of each half per hand-over to the epilogue warpgroup
-    EB = cfg.handover_buffers(wt) if ec else 0
-    HO = bn // ec if ec else 0            # hand-overs a tile
-    CPR = ec // 8                         # 8-column chunks a row of a hand-over
-    NI = -(-bm * CPR // EPI_THREADS)      # chunk steps a hand-over (each epilogue thread: one chunk a step)
+    ec = cfg.epi_wg
+    # epilogue warps: a chunk is two 8-column pieces of one tile row that one thread converts (RoPE: a head's
+    # columns d and d + 32; GeGLU: the GELU half's and the gate half's; plain: columns c and c + 64), 8 a row of a
+    # hand-over; NI chunk steps a hand-over, each epilogue thread one chunk a step
+    NI = -(-bm * 8 // EPI_THREADS)
+    producers = 32 if ec else PRODUCER_THREADS
     producers = 32 if ec else PRODUCER_THREADS
 
     @T.macro
@@ -333,53 +332,88 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
                 T.tma_copy(Cg_s, C[r0:r0 + hm, bx * bn:(bx + 1) * bn])
 
     @T.macro
-    def hand_over(C_l, E_s, efull, eempty, it, grp):
-        # the fp32 accumulator, ec columns of each half at a time, into the hand-over buffer (slabs b*4 + grp*2 for
-        # the GELU half, + 1 for the gate half): wait until the epilogue warpgroup has read the buffer's previous
-        # contents, write, arrive (every consumer thread: each one's writes are released by its own arrival)
-        for h in T.unroll(HO):
-            u = it * HO + h
-            b = h % EB                    # HO is a multiple of EB, so the buffer of hand-over h is fixed
-            T.mbarrier_wait_parity(eempty[b], ((u // EB) & 1) ^ 1)
-            T.copy(C_l[:, h * ec:(h + 1) * ec], E_s[b * 4 + grp * 2, :, :])
-            T.copy(C_l[:, bn + h * ec:bn + (h + 1) * ec], E_s[b * 4 + grp * 2 + 1, :, :])
-            T.mbarrier_arrive(efull[b])
+    def hand_over(C_l, Bias, E_s, efull, eempty, bx, it, grp):
+        # the 16-bit accumulator in two halves (of 128 columns: of each GeGLU half, 64) through the buffer's slabs
+        # grp * 2 + part (64 x 64 each): wait until the epilogue warps have loaded the buffer's previous contents,
+        # write, arrive (every consumer thread: each one's writes are released by its own arrival)
+        if bias:
+            for i, j in T.Parallel(hm, bn):
+                C_l[i, j] = apply_act(C_l[i, j] + Bias[bx * bn + j], act, T)
+        elif act != "none":
+            for i, j in T.Parallel(hm, bn):
+                C_l[i, j] = apply_act(C_l[i, j], act, T)
+        for h in T.unroll(2):
+            T.mbarrier_wait_parity(eempty[0], ((it * 2 + h) & 1) ^ 1)
+            for part in T.unroll(2):
+                c0 = part * bn + h * 64 if geglu else h * 128 + part * 64
+                T.copy(C_l[:, c0:c0 + 64], E_s[grp * 2 + part, :, :])
+            T.mbarrier_arrive(efull[0])
 
     @T.macro
-    def epilogue_wg(C, E_s, G_r, U_r, O_r, efull, eempty, by, bx, it, et):
-        # one tile's hand-overs: load this thread's chunks (chunk q = et + EPI_THREADS * i: tile row q // CPR, 8
-        # columns of each half), free the buffer, then GELU x gate in fp32 as the consumers' own epilogue computes
-        # it, 16 bytes a store; rows >= M and columns >= N (N % 8 == 0) are not stored
-        for h in T.unroll(HO):
-            u = it * HO + h
-            b = h % EB
-            T.mbarrier_wait_parity(efull[b], (u // EB) & 1)
+    def epilogue_wg(C, Pos, Cos, Sin, E_s, G_r, U_r, O_r, efull, eempty, by, bx, it, et):
+        # a tile's two hand-overs: load this thread's chunks (chunk q = et + EPI_THREADS * i: tile row q // 8, piece
+        # pair q % 8), free the buffer, then convert and store 16 bytes a piece; rows >= M and columns >= N
+        # (N % 8 == 0) are not stored
+        for h in T.unroll(2):
+            T.mbarrier_wait_parity(efull[0], (it * 2 + h) & 1)
             for i in T.unroll(NI):
                 q = et + EPI_THREADS * i
-                if q < bm * CPR:
-                    # the row's consumer's slabs: b * 4 + 2 * grp (GELU half) and the next (gate half)
-                    slab = b * 4 + q // CPR // hm * 2
-                    for v in T.vectorized(8):
-                        G_r[i * 8 + v] = E_s[slab, q // CPR % hm, q % CPR * 8 + v]
-                    for v in T.vectorized(8):
-                        U_r[i * 8 + v] = E_s[slab + 1, q // CPR % hm, q % CPR * 8 + v]
-            T.mbarrier_arrive(eempty[b])
+                if q < bm * 8:
+                    slab = q // 8 // hm * 2
+                    r = q // 8 % hm
+                    if rope_cols:   # columns d and d + 32 of head q % 8 // 4 of the hand-over
+                        for v in T.vectorized(8):
+                            G_r[i * 8 + v] = E_s[slab + q % 8 // 4, r, q % 4 * 8 + v]
+                        for v in T.vectorized(8):
+                            U_r[i * 8 + v] = E_s[slab + q % 8 // 4, r, 32 + q % 4 * 8 + v]
+                    else:
+                        for v in T.vectorized(8):
+                            G_r[i * 8 + v] = E_s[slab, r, q % 8 * 8 + v]
+                        for v in T.vectorized(8):
+                            U_r[i * 8 + v] = E_s[slab + 1, r, q % 8 * 8 + v]
+            T.mbarrier_arrive(eempty[0])
             for i in T.unroll(NI):
                 q = et + EPI_THREADS * i
-                row = by * bm + q // CPR
-                col = bx * bn + h * ec + q % CPR * 8
-                for v in T.unroll(8):
-                    O_r[v] = T.Cast(DT, apply_act(G_r[i * 8 + v], "gelu", T) * U_r[i * 8 + v])
-                if q < bm * CPR:
+                row = by * bm + q // 8
+                if q < bm * 8:
                     if row < M:
-                        if col < N:
-                            for v in T.vectorized(8):
-                                C[row, col + v] = O_r[v]
+                        if geglu:
+                            col = bx * bn + h * 64 + q % 8 * 8
+                            if col < N:
+                                for v in T.unroll(8):
+                                    O_r[v] = T.Cast(DT, apply_act(T.Cast(F32, G_r[i * 8 + v]), "gelu", T) *
+                                                    T.Cast(F32, U_r[i * 8 + v]))
+                                for v in T.vectorized(8):
+                                    C[row, col + v] = O_r[v]
+                        elif rope_cols:
+                            col = bx * bn + h * 128 + q % 8 // 4 * 64 + q % 4 * 8
+                            if col < N:   # N % 64 == 0: column col + 32 is inside too
+                                if col < rope_cols:
+                                    # a Q or K head: rotate columns d and d + 32 from their rounded values in fp32
+                                    p = Pos[row]
+                                    for v in T.unroll(8):
+                                        d = q % 4 * 8 + v
+                                        x0 = T.Cast(F32, G_r[i * 8 + v])
+                                        x1 = T.Cast(F32, U_r[i * 8 + v])
+                                        G_r[i * 8 + v] = T.Cast(DT, x0 * Cos[p, d] - x1 * Sin[p, d])
+                                        U_r[i * 8 + v] = T.Cast(DT, x1 * Cos[p, d] + x0 * Sin[p, d])
+                                for v in T.vectorized(8):
+                                    C[row, col + v] = G_r[i * 8 + v]
+                                for v in T.vectorized(8):
+                                    C[row, col + 32 + v] = U_r[i * 8 + v]
+                        else:
+                            col = bx * bn + h * 128 + q % 8 * 8
+                            if col < N:
+                                for v in T.vectorized(8):
+                                    C[row, col + v] = G_r[i * 8 + v]
+                            if col + 64 < N:
+                                for v in T.vectorized(8):
+                                    C[row, col + 64 + v] = U_r[i * 8 + v]
 
     @T.macro
     def consume(C, Bias, Ag_s, W_s, Wg_s, C_l, Cx_l, Cg_s, Cs_l, Sn_l, Xr_l, full, empty, go, Pos, Cos, Sin, by, bx,
                 it, grp, lane, E_s, efull, eempty):
-        if rope_cols:
+        if rope_cols and not ec:
             if bx * bn < rope_cols:
                 # this tile's cosines and sines (one pair per row and frequency, shared by its heads), loaded before
                 # the main loop so their latency hides behind it rather than stalling each head's rotation
@@ -425,7 +459,7 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
         if geglu and not joint:
             T.warpgroup_fence_operand(Cx_l, num_regs=acc_regs)
         if ec:
-            hand_over(C_l, E_s, efull, eempty, it, grp)
+            hand_over(C_l, Bias, E_s, efull, eempty, bx, it, grp)
         elif joint:
             # the gate half into a fragment of its own: a parallel loop must index a fragment one way only, and
             # column j + bn sits in the thread that holds column j, so this is a renaming of registers
@@ -462,12 +496,12 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
             E_s = G_r = U_r = O_r = efull = eempty = None
             if epi == "wg":
                 C0_s = C1_s = None
-                E_s = T.alloc_shared((EB * 4, hm, ec), F32)
-                G_r = T.alloc_local((NI * 8,), F32)
-                U_r = T.alloc_local((NI * 8,), F32)
+                E_s = T.alloc_shared((4, hm, 64), DT)
+                G_r = T.alloc_local((NI * 8,), DT)
+                U_r = T.alloc_local((NI * 8,), DT)
                 O_r = T.alloc_local((8,), DT)
-                efull = T.alloc_barrier([256] * EB)             # every consumer thread
-                eempty = T.alloc_barrier([EPI_THREADS] * EB)    # every epilogue thread
+                efull = T.alloc_barrier([256])            # every consumer thread
+                eempty = T.alloc_barrier([EPI_THREADS])   # every epilogue thread
             elif epi == "alias":
                 # a (hm, bn) view of the ring would need its own layout, and TileLang keys layouts by the
                 # storage ("Get different layout for A0_s"): the epilogue writes the ring's slabs instead
@@ -482,8 +516,9 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
             C1_l = T.alloc_fragment((hm, 2 * bn if joint else bn), F32)
             C0x_l = T.alloc_fragment((hm, bn), F32) if geglu and not ec else None
             C1x_l = T.alloc_fragment((hm, bn), F32) if geglu and not ec else None
-            cs = [T.alloc_fragment((hm, 32), F32) for _ in range(4)] if rope_cols else [None] * 4
-            xr = [T.alloc_fragment((hm, 32), F32) for _ in range(2)] if rope_cols and cfg.rope_regs else [None] * 2
+            cs = [T.alloc_fragment((hm, 32), F32) for _ in range(4)] if rope_cols and not ec else [None] * 4
+            xr = [T.alloc_fragment((hm, 32), F32) for _ in range(2)] if rope_cols and cfg.rope_regs and not ec \
+                else [None] * 2
             full = T.alloc_barrier([producers] * S)
             empty = T.alloc_barrier([CONSUMER_WARPS] * S)
             go = T.alloc_barrier([CONSUMER_WARPS // 2]) if stagger else None   # the first consumer's 4 warps
@@ -511,7 +546,7 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
                 for w in T.serial(n_waves):
                     t = w * P + ids
                     if t < n_tiles:
-                        epilogue_wg(C, E_s, G_r, U_r, O_r, efull, eempty, t // nbn, t % nbn, w, tx - 32)
+                        epilogue_wg(C, Pos, Cos, Sin, E_s, G_r, U_r, O_r, efull, eempty, t // nbn, t % nbn, w, tx - 32)
             elif tx < PRODUCER_THREADS + 128:
                 consumer(C, Bias, A0_s, W_s, Wg_s, C0_l, C0x_l, C0_s, cs[0], cs[1], xr[0], full, empty, go, Pos, Cos,
                          Sin, ids, 0, lane, E_s, efull, eempty)
@@ -575,8 +610,8 @@ GEMM = GemmWSConfig(bm=128, bn=256, bk=64, stages=4, persistent=132, inflight=0,
 GEGLU = GemmWSConfig(bm=128, bn=128, bk=64, stages=4, persistent=132, inflight=0, joint=True)
 # Other configs bench/fast_path.py times beside the defaults (keyed by geglu) and runs when faster
 ALTERNATIVES: dict[bool, tuple[GemmWSConfig, ...]] = {
-    False: (replace(GEMM, stagger=3), replace(GEMM, rope_regs=False)),
-    True: (replace(GEGLU, joint=False), replace(GEGLU, epi_wg=32), replace(GEGLU, epi_wg=16)),
+    False: (replace(GEMM, stagger=3), replace(GEMM, rope_regs=False), replace(GEMM, epi_wg=True)),
+    True: (replace(GEGLU, joint=False), replace(GEGLU, epi_wg=True)),
 }
 # A measured winner per form (geglu -> config) that `pick` prefers to the default: bench/fast_path.py fills it in
 # the process it benchmarks, as kernels/gemm.py's TUNED
@@ -603,6 +638,8 @@ def pick(M: int, N: int, in_dtype: torch.dtype, out_dtype: torch.dtype, geglu: b
     if M <= SMALL_M or N < 64 or in_dtype != out_dtype or not enabled():
         return None
     base = TUNED.get(geglu) or (GEGLU if geglu else GEMM)
+    if base.epi_wg and N % 8:   # the epilogue warps store 8 columns at a time
+        base = replace(base, epi_wg=False)
     n = sm_count()
     return base if base.persistent == n else replace(base, persistent=n)
 

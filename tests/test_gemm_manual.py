@@ -36,21 +36,20 @@ def test_configs_and_tags():
     assert replace(gm.GEMM, stagger=2).tag() == "128x256x64s4p132w0g2q"
     with pytest.raises(ValueError, match="stagger"):
         gm.check_config(replace(gm.GEMM, stagger=4))
-    # epilogue warps: one fp32 hand-over buffer of 32 columns a half, or two of 16, beside the 4-stage ring
-    e32, e16 = replace(gm.GEGLU, epi_wg=32), replace(gm.GEGLU, epi_wg=16)
-    assert e32.tag() == "128x128x64s4p132w0je32" and e32.epilogue(2) == "wg"
-    assert (e32.handover_buffers(), e16.handover_buffers()) == (1, 2)
-    assert e32.smem_bytes(2) == e16.smem_bytes(2) == 4 * 48 * 1024 + 32 * 1024
-    gm.check_config(e32, 2)
-    gm.check_config(e16, 2)
+    # epilogue warps: a 32 KiB hand-over buffer beside the 4-stage ring, for the GeGLU and the plain defaults
+    eg, ep = replace(gm.GEGLU, epi_wg=True), replace(gm.GEMM, epi_wg=True)
+    assert eg.tag() == "128x128x64s4p132w0je" and ep.tag() == "128x256x64s4p132w0qe"
+    assert eg.epilogue(2) == ep.epilogue() == "wg" and eg.smem_bytes(2) == ep.smem_bytes() == (4 * 48 + 32) * 1024
+    gm.check_config(eg, 2)
+    gm.check_config(ep)
     with pytest.raises(ValueError, match="epilogue warps"):
-        gm.check_config(replace(gm.GEMM, epi_wg=32), 1)
+        gm.check_config(replace(ep, persistent=0))
     with pytest.raises(ValueError, match="epilogue warps"):
-        gm.check_config(replace(e32, joint=False), 2)
-    with pytest.raises(ValueError, match="shared memory"):
-        gm.check_config(replace(gm.GEGLU, epi_wg=64), 2)   # 64 KiB of hand-over beside a 192 KiB ring
-    with pytest.raises(ValueError, match="epi_wg must be"):
-        gm.check_config(replace(gm.GEGLU, epi_wg=24), 2)
+        gm.check_config(replace(eg, joint=False), 2)
+    with pytest.raises(ValueError, match="two 128-column halves"):
+        gm.check_config(replace(ep, bn=128))
+    with pytest.raises(ValueError, match="multiple of 8"):
+        gm.build_gemm_manual(1004, 1024, ep)
 
 
 def test_pick(monkeypatch):
@@ -68,6 +67,8 @@ def test_pick(monkeypatch):
     monkeypatch.setitem(gm.TUNED, True, replace(gm.GEGLU, stagger=2))   # a measured winner (bench/fast_path.py)
     assert gm.pick(4096, 2624, BF, BF, geglu=True) == replace(gm.GEGLU, stagger=2, persistent=114)
     assert gm.pick(4096, 1024, BF, BF) == replace(gm.GEMM, persistent=114)
+    monkeypatch.setitem(gm.TUNED, False, replace(gm.GEMM, epi_wg=True))
+    assert gm.pick(4096, 1024, BF, BF).epi_wg and not gm.pick(4096, 1020, BF, BF).epi_wg   # 8 columns a store
     monkeypatch.setenv("LAYA_FLEET_MANUAL_GEMM", "0")
     assert gm.pick(4096, 1024, BF, BF) is None
     monkeypatch.setenv("LAYA_FLEET_MANUAL_GEMM", "1")
@@ -118,13 +119,15 @@ def test_manual_kernels_compile_for_hopper(monkeypatch):
     assert js.count("tma_load(Wi_desc") == 2 and "_c128x128x64s4p132w0j" in js
     assert re.findall(r"wgmma_ss<[^>]*, 64, (\d+), 16", js) == ["256"] * 2   # one n=256 product a consumer
     # epilogue warps: warp 0 loads, warps 1-3 compute GELU x gate and store 16 bytes a thread; the consumers only
-    # hand their accumulators over (no erf, no staging tile, no TMA store, no register reallocation)
-    es = gm.gemm_manual_kernel(2624, 1024, replace(gm.GEGLU, epi_wg=32), geglu=True).get_kernel_source()
+    # hand their 16-bit accumulators over (no erf, no staging tile, no TMA store, no register reallocation)
+    es = gm.gemm_manual_kernel(2624, 1024, replace(gm.GEGLU, epi_wg=True), geglu=True).get_kernel_source()
     assert "efull[0].init(256)" in es and "eempty[0].init(96)" in es and "full[0].init(32)" in es
     assert "warpgroup_reg_alloc" not in es and "tma_store(" not in es and es.count("erff(") == 1
     assert "*(uint4*)(C + " in es and es.index("erff(") < es.index("if (((int)threadIdx.x) < 256)")
-    e16 = gm.gemm_manual_kernel(2624, 1024, replace(gm.GEGLU, epi_wg=16), geglu=True).get_kernel_source()
-    assert "efull[1].init(256)" in e16 and "eempty[1].init(96)" in e16   # a double buffer
+    # the plain form with RoPE: the epilogue warps rotate a head's columns d and d + 32 (8 of 12 column tiles)
+    er = gm.gemm_manual_kernel(3072, 1024, replace(gm.GEMM, epi_wg=True), rope_cols=2048).get_kernel_source()
+    assert "efull[0].init(256)" in er and "Cos[" in er and "tma_store(" not in er and "_c128x256x64s4p132w0qe" in er
+    assert er.count("*(uint4*)(C + ") == 2 and "% 12) < 8" in er
     # staggered: the second consumer waits (once, on its first tile) for the first's arrival after 2 k-steps
     st = gm.gemm_manual_kernel(3072, 1024, replace(gm.GEMM, stagger=2), rope_cols=2048).get_kernel_source()
     assert "go[0].init(4)" in st and st.count("go[0].wait(0)") == 1 and "(k_1 == 1)" in st
@@ -145,7 +148,7 @@ DEV = "cuda"
 
 CFGS = {"default": gm.GEMM, "inflight": gm.GemmWSConfig(stages=4, persistent=132, inflight=1),
         "alias": gm.GemmWSConfig(stages=4), "full": gm.GemmWSConfig(stages=3, persistent=132),
-        "stagger": replace(gm.GEMM, stagger=2)}
+        "stagger": replace(gm.GEMM, stagger=2), "epilogue_warps": replace(gm.GEMM, epi_wg=True)}
 
 
 @gpu
@@ -181,7 +184,7 @@ def test_manual_gemm_with_rope_equals_gemm_then_rope(M):
     two_step = _poison(M, 3072)
     gm.gemm_manual_kernel(3072, 1024, gm.GEMM)(a, w, z, two_step)
     rope.rope(two_step, pos, cos, sin, heads)
-    for cfg in (gm.GEMM, replace(gm.GEMM, stagger=2), replace(gm.GEMM, rope_regs=False)):
+    for cfg in (gm.GEMM, replace(gm.GEMM, stagger=2), replace(gm.GEMM, rope_regs=False), replace(gm.GEMM, epi_wg=True)):
         fused = _poison(M, 3072)
         gm.gemm_manual_kernel(3072, 1024, cfg, rope_cols=2048)(a, w, z, fused, pos, cos, sin)
         _check_fused_rope(fused, two_step, a, w, pos, cos, sin, heads)
@@ -205,16 +208,24 @@ def test_manual_geglu(M, cfg):
 @needs_tilelang
 @pytest.mark.parametrize("M", [77, 40000])
 def test_epilogue_warps_same_bits(M):
-    """The epilogue warps compute GELU x gate from the same fp32 accumulators with the same arithmetic as the
-    consumers' own epilogue: every output bit is the default kernel's."""
+    """The epilogue warps convert (and rotate) the same 16-bit values the staged store would: every output bit is
+    the default kernel's (bias + GELU with a partial last column tile, N = 1000; Wqkv with RoPE). GeGLU's GELU x
+    gate comes from the rounded halves there (test_manual_geglu checks it against the fp32 reference)."""
     a = torch.randn(M, 1024, device=DEV).bfloat16()
-    wi = (torch.randn(2 * 2624, 1024, device=DEV) / 32).bfloat16()
-    ref = _poison(M, 2624)
-    gm.gemm_manual_kernel(2624, 1024, gm.GEGLU, geglu=True)(a, wi, ref)
-    for ec in (32, 16):
-        out = _poison(M, 2624)
-        gm.gemm_manual_kernel(2624, 1024, replace(gm.GEGLU, epi_wg=ec), geglu=True)(a, wi, out)
-        assert torch.equal(out, ref), ec
+    w = (torch.randn(1000, 1024, device=DEV) / 32).bfloat16()
+    b = torch.randn(1000, device=DEV)
+    ref, out = _poison(M, 1000), _poison(M, 1000)
+    gm.gemm_manual_kernel(1000, 1024, gm.GEMM, True, "gelu")(a, w, b, ref)
+    gm.gemm_manual_kernel(1000, 1024, replace(gm.GEMM, epi_wg=True), True, "gelu")(a, w, b, out)
+    assert torch.equal(out, ref)
+    w = (torch.randn(3072, 1024, device=DEV) / 32).bfloat16()
+    pos = torch.randint(0, 512, (M,), device=DEV, dtype=torch.int32)
+    cos, sin = rope.rope_tables(160000.0, 512, DEV)
+    z = gemm._zeros(3072, DEV)
+    ref, out = _poison(M, 3072), _poison(M, 3072)
+    gm.gemm_manual_kernel(3072, 1024, gm.GEMM, rope_cols=2048)(a, w, z, ref, pos, cos, sin)
+    gm.gemm_manual_kernel(3072, 1024, replace(gm.GEMM, epi_wg=True), rope_cols=2048)(a, w, z, out, pos, cos, sin)
+    assert torch.equal(out, ref)
 
 
 @gpu
@@ -227,7 +238,7 @@ def test_manual_kernels_in_fp16():
     gm.gemm_manual_kernel(1024, 1024, gm.GEMM, True, "none", dtype=F16)(a, w, b, out)
     _close(out, gemm.gemm_ref(a, w, b), 1e-2)
     wi = (torch.randn(2 * 2624, 1024, device=DEV) / 32).half()
-    for cfg in (gm.GEGLU, replace(gm.GEGLU, joint=False), replace(gm.GEGLU, epi_wg=32)):
+    for cfg in (gm.GEGLU, replace(gm.GEGLU, joint=False), replace(gm.GEGLU, epi_wg=True)):
         g = _poison(3000, 2624, dtype=F16)
         gm.gemm_manual_kernel(2624, 1024, cfg, geglu=True, dtype=F16)(a, wi, g)
         _close(g, geglu.geglu_ref(a, wi), 1.5e-2)
