@@ -110,15 +110,21 @@ class GemmWSConfig:
     # cores' path. The plain and RoPE outputs are the same bits as the staged store's; GeGLU's GELU x gate is then
     # computed from the 16-bit rounded halves (as an unfused GeGLU does), not from the fp32 accumulators.
     epi_wg: bool = False
+    # Persistent only: cluster = 2 launches blocks in pairs (a 2-CTA cluster, one per SM pair) that run adjacent
+    # row blocks of the same column block in step: each W tile is loaded once and multicast into both blocks' shared
+    # memory (TMA multicast), halving the weight traffic from L2; a stage is refilled only once both blocks' consumers
+    # have released it (the empty barriers are cluster barriers that both blocks' consumer warps arrive on)
+    cluster: int = 1
 
     def tag(self) -> str:
         """A short text form, e.g. 128x256x64s4 (p132: persistent over 132 blocks; w0: inflight=0; j: joint; gN:
-        stagger N; q: RoPE in registers; e: epilogue warps)."""
-        return "%dx%dx%ds%d%s%s%s%s%s%s" % (self.bm, self.bn, self.bk, self.stages,
+        stagger N; q: RoPE in registers; e: epilogue warps; c2: 2-CTA clusters with the W tiles multicast)."""
+        return "%dx%dx%ds%d%s%s%s%s%s%s%s" % (self.bm, self.bn, self.bk, self.stages,
                                             "p%d" % self.persistent if self.persistent else "",
                                             "" if self.inflight else "w0", "j" if self.joint else "",
                                             "g%d" % self.stagger if self.stagger else "", "q" if self.rope_regs else "",
-                                            "e" if self.epi_wg else "")
+                                            "e" if self.epi_wg else "",
+                                            "c%d" % self.cluster if self.cluster > 1 else "")
 
     def epilogue(self, wt: int = 1) -> str:
         """How the consumers stage their output for the TMA store: "alias" (non-persistent, stages * bk == bn:
@@ -172,6 +178,11 @@ def check_config(cfg: GemmWSConfig, wt: int = 1) -> None:
         raise ValueError("GeGLU keeps two accumulators: at most 128 fp32 registers a consumer thread for them")
     if cfg.joint and (wt != 2 or cfg.bn > 128):
         raise ValueError("joint is GeGLU's one-wgmma form: GeGLU only, bn at most 128 (2 * bn wgmma columns)")
+    if cfg.cluster not in (1, 2):
+        raise ValueError("cluster must be 1 or 2")
+    if cfg.cluster > 1 and (not cfg.persistent or cfg.persistent % 2 or cfg.stagger or cfg.epi_wg):
+        raise ValueError("2-CTA clusters need a persistent kernel over an even number of blocks, no stagger and no "
+                         "epilogue warps")
     if cfg.epi_wg:
         if not (cfg.persistent and cfg.bm == 128 and not cfg.stagger and (cfg.joint or wt == 1)):
             raise ValueError("epilogue warps (epi_wg) need a persistent kernel with bm 128, no stagger and, for "
@@ -215,8 +226,11 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
     epi = cfg.epilogue(wt)
     inflight = cfg.inflight
     P = cfg.persistent
-    n_tiles = T.ceildiv(M, bm) * nbn
-    n_waves = T.ceildiv(n_tiles, P) if P else 1
+    CL = cfg.cluster
+    # with clusters, pair tiles: cluster c of P // 2 takes pair tile pt = w * (P // 2) + c, whose two row blocks
+    # (2 * (pt // nbn) + rank; the second may lie past M: zero-filled loads, clipped stores) share column block pt % nbn
+    n_tiles = T.ceildiv(T.ceildiv(M, bm), CL) * nbn
+    n_waves = T.ceildiv(n_tiles, P // CL) if P else 1
     NW = 2 * N if geglu else N            # rows of W
     joint = cfg.joint
     stagger = min(cfg.stagger, -(-K // bk))   # a first tile of fewer k-steps releases the other consumer at its end
@@ -228,7 +242,16 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
     # hand-over; NI chunk steps a hand-over, each epilogue thread one chunk a step
     NI = -(-bm * 8 // EPI_THREADS)
     producers = 32 if ec else PRODUCER_THREADS
-    producers = 32 if ec else PRODUCER_THREADS
+    mask = 0b11 if CL == 2 else None      # W tiles: multicast to both blocks of the cluster (the first issues it)
+
+    @T.macro
+    def release(empty, s):
+        # a consumer warp frees stage s: with clusters, in both blocks (the multicast refills both at once)
+        if CL == 2:
+            T.mbarrier_arrive(empty[s], 0)
+            T.mbarrier_arrive(empty[s], 1)
+        else:
+            T.mbarrier_arrive(empty[s])
 
     @T.macro
     def produce(A, W, A0_s, A1_s, W_s, Wg_s, full, empty, by, bx, it):
@@ -242,14 +265,17 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
             T.tma_copy(A[by * bm + hm:by * bm + bm, k * bk:(k + 1) * bk], A1_s[s, :, :], barrier=full[s])
             if joint:
                 # GELU half into the stage tile's first bn rows, gate half into the rest (past 2N: zeros)
-                T.tma_copy(W[bx * bn:(bx + 1) * bn, k * bk:(k + 1) * bk], W_s[s, 0:bn, :], barrier=full[s])
+                T.tma_copy(W[bx * bn:(bx + 1) * bn, k * bk:(k + 1) * bk], W_s[s, 0:bn, :], barrier=full[s],
+                           cluster_mask=mask)
                 T.tma_copy(W[N + bx * bn:N + (bx + 1) * bn, k * bk:(k + 1) * bk], W_s[s, bn:2 * bn, :],
-                           barrier=full[s])
+                           barrier=full[s], cluster_mask=mask)
             else:
-                T.tma_copy(W[bx * bn:(bx + 1) * bn, k * bk:(k + 1) * bk], W_s[s, :, :], barrier=full[s])
+                T.tma_copy(W[bx * bn:(bx + 1) * bn, k * bk:(k + 1) * bk], W_s[s, :, :], barrier=full[s],
+                           cluster_mask=mask)
             if geglu and not joint:
                 # the gate half's rows; past 2N (the last tile's tail) TMA fills zeros, never stored
-                T.tma_copy(W[N + bx * bn:N + (bx + 1) * bn, k * bk:(k + 1) * bk], Wg_s[s, :, :], barrier=full[s])
+                T.tma_copy(W[N + bx * bn:N + (bx + 1) * bn, k * bk:(k + 1) * bk], Wg_s[s, :, :], barrier=full[s],
+                           cluster_mask=mask)
             T.barrier_arrive(full[s])
 
     @T.macro
@@ -440,11 +466,11 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
                     # the batch of step k-1 is done (this step's stays in flight): its stage can be refilled
                     T.wait_wgmma(2 if geglu and not joint else 1)
                     if lane == 0:
-                        T.mbarrier_arrive(empty[(g + S - 1) % S])
+                        release(empty, (g + S - 1) % S)
             else:
                 T.wait_wgmma(0)
                 if lane == 0:
-                    T.mbarrier_arrive(empty[s])
+                    release(empty, s)
             if stagger:
                 if grp == 0:
                     if it == 0:
@@ -454,7 +480,7 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
         if inflight:
             T.wait_wgmma(0)
             if lane == 0:
-                T.mbarrier_arrive(empty[(it * k_iters + k_iters - 1) % S])
+                release(empty, (it * k_iters + k_iters - 1) % S)
         T.warpgroup_fence_operand(C_l, num_regs=acc_regs)
         if geglu and not joint:
             T.warpgroup_fence_operand(Cx_l, num_regs=acc_regs)
@@ -475,10 +501,10 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
             T.set_max_nreg(CONSUMER_REGS, 1)
         if P:
             for w in T.serial(n_waves):
-                t = w * P + ids
+                t = w * (P // CL) + ids // CL
                 if t < n_tiles:
                     consume(C, Bias, Ag_s, W_s, Wg_s, C_l, Cx_l, Cg_s, Cs_l, Sn_l, Xr_l, full, empty, go, Pos, Cos,
-                            Sin, t // nbn, t % nbn, w, grp, lane, E_s, efull, eempty)
+                            Sin, t // nbn * CL + ids % CL, t % nbn, w, grp, lane, E_s, efull, eempty)
         else:
             consume(C, Bias, Ag_s, W_s, Wg_s, C_l, Cx_l, Cg_s, Cs_l, Sn_l, Xr_l, full, empty, go, Pos, Cos, Sin,
                     ids[1], ids[0], 0, grp, lane, E_s, efull, eempty)
@@ -488,7 +514,8 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
     @T.macro
     def body(A, W, Bias, C, Pos, Cos, Sin):
         grid = (P,) if P else (nbn, T.ceildiv(M, bm))
-        with T.Kernel(*grid, threads=PRODUCER_THREADS + 256) as ids:
+        # (cluster_dims=1: no cluster, an ordinary launch)
+        with T.ClusterKernel(*grid, cluster_dims=CL, threads=PRODUCER_THREADS + 256) as ids:
             A0_s = T.alloc_shared((S, hm, bk), DT)
             A1_s = T.alloc_shared((S, hm, bk), DT)
             W_s = T.alloc_shared((S, 2 * bn if joint else bn, bk), DT)
@@ -520,7 +547,9 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
             xr = [T.alloc_fragment((hm, 32), F32) for _ in range(2)] if rope_cols and cfg.rope_regs and not ec \
                 else [None] * 2
             full = T.alloc_barrier([producers] * S)
-            empty = T.alloc_barrier([CONSUMER_WARPS] * S)
+            # with clusters: every consumer warp of both blocks frees a stage in both
+            empty = T.alloc_cluster_barrier([CONSUMER_WARPS * 2] * S) if CL > 1 else \
+                T.alloc_barrier([CONSUMER_WARPS] * S)
             go = T.alloc_barrier([CONSUMER_WARPS // 2]) if stagger else None   # the first consumer's 4 warps
             ring = (A0_s, A1_s, W_s) + ((Wg_s,) if Wg_s is not None else ())
             layouts = {b: tilelang.layout.make_swizzled_layout(b) for b in ring}
@@ -536,9 +565,9 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
                     T.set_max_nreg(PRODUCER_REGS, 0)
                 if P:
                     for w in T.serial(n_waves):
-                        t = w * P + ids
+                        t = w * (P // CL) + ids // CL
                         if t < n_tiles:
-                            produce(A, W, A0_s, A1_s, W_s, Wg_s, full, empty, t // nbn, t % nbn, w)
+                            produce(A, W, A0_s, A1_s, W_s, Wg_s, full, empty, t // nbn * CL + ids % CL, t % nbn, w)
                 else:
                     produce(A, W, A0_s, A1_s, W_s, Wg_s, full, empty, ids[1], ids[0], 0)
             elif ec and tx < PRODUCER_THREADS:
@@ -553,6 +582,9 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
             elif tx < PRODUCER_THREADS + 256:
                 consumer(C, Bias, A1_s, W_s, Wg_s, C1_l, C1x_l, C1_s, cs[2], cs[3], xr[1], full, empty, go, Pos, Cos,
                          Sin, ids, 1, lane, E_s, efull, eempty)
+            if CL > 1:
+                # neither block exits while the other may still arrive on its barriers
+                T.cluster_sync()
 
     if geglu:
         @T.prim_func
@@ -610,8 +642,8 @@ GEMM = GemmWSConfig(bm=128, bn=256, bk=64, stages=4, persistent=132, inflight=0,
 GEGLU = GemmWSConfig(bm=128, bn=128, bk=64, stages=4, persistent=132, inflight=0, joint=True)
 # Other configs bench/fast_path.py times beside the defaults (keyed by geglu) and runs when faster
 ALTERNATIVES: dict[bool, tuple[GemmWSConfig, ...]] = {
-    False: (replace(GEMM, stagger=3), replace(GEMM, rope_regs=False), replace(GEMM, epi_wg=True)),
-    True: (replace(GEGLU, joint=False), replace(GEGLU, epi_wg=True)),
+    False: (replace(GEMM, stagger=3), replace(GEMM, rope_regs=False), replace(GEMM, cluster=2)),
+    True: (replace(GEGLU, joint=False), replace(GEGLU, cluster=2)),
 }
 # A measured winner per form (geglu -> config) that `pick` prefers to the default: bench/fast_path.py fills it in
 # the process it benchmarks, as kernels/gemm.py's TUNED
@@ -641,6 +673,8 @@ def pick(M: int, N: int, in_dtype: torch.dtype, out_dtype: torch.dtype, geglu: b
     if base.epi_wg and N % 8:   # the epilogue warps store 8 columns at a time
         base = replace(base, epi_wg=False)
     n = sm_count()
+    if base.cluster > 1 and n % base.cluster:   # every block of a persistent cluster launch has its pair
+        base = replace(base, cluster=1)
     return base if base.persistent == n else replace(base, persistent=n)
 
 

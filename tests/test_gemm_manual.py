@@ -50,6 +50,13 @@ def test_configs_and_tags():
         gm.check_config(replace(ep, bn=128))
     with pytest.raises(ValueError, match="multiple of 8"):
         gm.build_gemm_manual(1004, 1024, ep)
+    # 2-CTA clusters (W multicast): persistent over an even number of blocks only
+    c2 = replace(gm.GEMM, cluster=2)
+    assert c2.tag() == "128x256x64s4p132w0qc2" and replace(gm.GEGLU, cluster=2).tag() == "128x128x64s4p132w0jc2"
+    gm.check_config(c2)
+    for bad in (replace(c2, persistent=0), replace(c2, persistent=131), replace(c2, stagger=2), replace(c2, cluster=4)):
+        with pytest.raises(ValueError, match="cluster"):
+            gm.check_config(bad)
 
 
 def test_pick(monkeypatch):
@@ -67,6 +74,11 @@ def test_pick(monkeypatch):
     monkeypatch.setitem(gm.TUNED, True, replace(gm.GEGLU, stagger=2))   # a measured winner (bench/fast_path.py)
     assert gm.pick(4096, 2624, BF, BF, geglu=True) == replace(gm.GEGLU, stagger=2, persistent=114)
     assert gm.pick(4096, 1024, BF, BF) == replace(gm.GEMM, persistent=114)
+    monkeypatch.setitem(gm.TUNED, False, replace(gm.GEMM, cluster=2))
+    assert gm.pick(4096, 1024, BF, BF).cluster == 2
+    monkeypatch.setattr(gm, "sm_count", lambda: 113)   # an odd SM count: no pairs for every block
+    assert gm.pick(4096, 1024, BF, BF) == replace(gm.GEMM, persistent=113)
+    monkeypatch.setattr(gm, "sm_count", lambda: 114)
     monkeypatch.setitem(gm.TUNED, False, replace(gm.GEMM, epi_wg=True))
     assert gm.pick(4096, 1024, BF, BF).epi_wg and not gm.pick(4096, 1020, BF, BF).epi_wg   # 8 columns a store
     monkeypatch.setenv("LAYA_FLEET_MANUAL_GEMM", "0")
@@ -128,6 +140,10 @@ def test_manual_kernels_compile_for_hopper(monkeypatch):
     er = gm.gemm_manual_kernel(3072, 1024, replace(gm.GEMM, epi_wg=True), rope_cols=2048).get_kernel_source()
     assert "efull[0].init(256)" in er and "Cos[" in er and "tma_store(" not in er and "_c128x256x64s4p132w0qe" in er
     assert er.count("*(uint4*)(C + ") == 2 and "% 12) < 8" in er
+    # clusters: the W tiles multicast by the first block of a pair, stages freed in both blocks
+    cs = gm.gemm_manual_kernel(2624, 1024, replace(gm.GEGLU, cluster=2), geglu=True).get_kernel_source()
+    assert cs.count("tma_load_multicast(Wi_desc") == 2 and "empty[0].init(16)" in cs
+    assert "].arrive(0u)" in cs and "].arrive(1u)" in cs and cs.count("cluster_sync()") >= 2
     # staggered: the second consumer waits (once, on its first tile) for the first's arrival after 2 k-steps
     st = gm.gemm_manual_kernel(3072, 1024, replace(gm.GEMM, stagger=2), rope_cols=2048).get_kernel_source()
     assert "go[0].init(4)" in st and st.count("go[0].wait(0)") == 1 and "(k_1 == 1)" in st
@@ -148,7 +164,8 @@ DEV = "cuda"
 
 CFGS = {"default": gm.GEMM, "inflight": gm.GemmWSConfig(stages=4, persistent=132, inflight=1),
         "alias": gm.GemmWSConfig(stages=4), "full": gm.GemmWSConfig(stages=3, persistent=132),
-        "stagger": replace(gm.GEMM, stagger=2), "epilogue_warps": replace(gm.GEMM, epi_wg=True)}
+        "stagger": replace(gm.GEMM, stagger=2), "epilogue_warps": replace(gm.GEMM, epi_wg=True),
+        "cluster": replace(gm.GEMM, cluster=2)}
 
 
 @gpu
@@ -184,7 +201,8 @@ def test_manual_gemm_with_rope_equals_gemm_then_rope(M):
     two_step = _poison(M, 3072)
     gm.gemm_manual_kernel(3072, 1024, gm.GEMM)(a, w, z, two_step)
     rope.rope(two_step, pos, cos, sin, heads)
-    for cfg in (gm.GEMM, replace(gm.GEMM, stagger=2), replace(gm.GEMM, rope_regs=False), replace(gm.GEMM, epi_wg=True)):
+    for cfg in (gm.GEMM, replace(gm.GEMM, stagger=2), replace(gm.GEMM, rope_regs=False), replace(gm.GEMM, epi_wg=True),
+                replace(gm.GEMM, cluster=2)):
         fused = _poison(M, 3072)
         gm.gemm_manual_kernel(3072, 1024, cfg, rope_cols=2048)(a, w, z, fused, pos, cos, sin)
         _check_fused_rope(fused, two_step, a, w, pos, cos, sin, heads)
@@ -225,6 +243,28 @@ def test_epilogue_warps_same_bits(M):
     ref, out = _poison(M, 3072), _poison(M, 3072)
     gm.gemm_manual_kernel(3072, 1024, gm.GEMM, rope_cols=2048)(a, w, z, ref, pos, cos, sin)
     gm.gemm_manual_kernel(3072, 1024, replace(gm.GEMM, epi_wg=True), rope_cols=2048)(a, w, z, out, pos, cos, sin)
+    assert torch.equal(out, ref)
+
+
+@gpu
+@needs_tilelang
+@pytest.mark.parametrize("M", [1, 77, 129, 4099, 40000])
+def test_cluster_multicast_same_bits(M):
+    """2-CTA clusters with the W tiles multicast run the same products in the same order: every bit is the
+    default kernel's (M = 1, 77: one row block, its pair past M; 129: two; odd and even pair counts)."""
+    a = torch.randn(M, 1024, device=DEV).bfloat16()
+    wi = (torch.randn(2 * 2624, 1024, device=DEV) / 32).bfloat16()
+    ref, out = _poison(M, 2624), _poison(M, 2624)
+    gm.gemm_manual_kernel(2624, 1024, gm.GEGLU, geglu=True)(a, wi, ref)
+    gm.gemm_manual_kernel(2624, 1024, replace(gm.GEGLU, cluster=2), geglu=True)(a, wi, out)
+    assert torch.equal(out, ref)
+    w = (torch.randn(3072, 1024, device=DEV) / 32).bfloat16()
+    pos = torch.randint(0, 512, (M,), device=DEV, dtype=torch.int32)
+    cos, sin = rope.rope_tables(160000.0, 512, DEV)
+    z = gemm._zeros(3072, DEV)
+    ref, out = _poison(M, 3072), _poison(M, 3072)
+    gm.gemm_manual_kernel(3072, 1024, gm.GEMM, rope_cols=2048)(a, w, z, ref, pos, cos, sin)
+    gm.gemm_manual_kernel(3072, 1024, replace(gm.GEMM, cluster=2), rope_cols=2048)(a, w, z, out, pos, cos, sin)
     assert torch.equal(out, ref)
 
 
