@@ -35,6 +35,20 @@ Non-persistent, the C staging tile of consumer g aliases that consumer's A half-
 e.g. 128x256x64 with 4 stages): once the consumer has waited for its last batch, every load into its A
 half-ring has landed and been read, so the memory is free. (`GemmWSConfig.epilogue` picks the variant.)
 
+2-CTA clusters (`cluster=2`, the default since the thirteenth session): the persistent blocks run in pairs on an SM
+pair, each pair on two adjacent row blocks of one column block, in step. The first block of a pair issues each W
+tile's TMA load once, multicast into both blocks' shared memory (each block's own `full` barrier counts the bytes);
+a stage is refilled only after the consumer warps of both blocks have released it, so `empty` is a cluster barrier
+that every consumer warp arrives on in both blocks; the blocks meet at a cluster barrier before either exits. The
+weight traffic from L2 halves (a 128 x 256 x 64 stage reads 16 KiB of A and 16 of W a block instead of 16 and 32):
+Wqkv + RoPE 0.644 -> 0.625 ms, GeGLU 1.174 -> 1.150 ms at 65536 rows on the H200, the same bits.
+
+Tried and dropped (thirteenth session): the epilogue on the producer warpgroup's three idle warps, the consumers
+handing a 16-bit tile over through shared memory in two halves and going on to the next tile's products. Three warps
+cannot keep up with 16384 exact erfs a tile: GeGLU took 1.72 ms against 1.21, Wqkv + RoPE 0.89 against 0.65 (the
+plain products were within 2%). A fourth warpgroup is not an option: ptxas allocates every thread the launch bound's
+registers (65536 / 512 = 128) whatever `setmaxnreg` grants later, too few for a 128-register accumulator.
+
 Compiled with TileLang's automatic warp specialisation, pipelining and thread-sync insertion off (the
 synchronisation is all explicit: mbarriers between roles, named barriers inside a consumer warpgroup).
 
@@ -57,12 +71,6 @@ from . import _tl
 
 PRODUCER_REGS = 40
 CONSUMER_REGS = 232
-# with epilogue warps (GemmWSConfig.epi_wg), warp 0 alone is the producer and warps 1-3 run the epilogue: no
-# `setmaxnreg` then (it is per warpgroup), every thread keeps the 168 registers a 384-thread block gets. (ptxas
-# allocates a kernel's registers for its launch bound, 168 here, whatever setmaxnreg later grants: a fourth
-# warpgroup would cap every role at 128, too few for a 128-register accumulator.)
-EPI_THREADS = 96
-HANDOVER_BYTES = 32 * 1024   # the epilogue warps' buffer: half a 128 x 256 16-bit tile, as four 64 x 64 slabs
 EPI_BARRIER = 8          # named barriers EPI_BARRIER + g (g = 0, 1): one per consumer warpgroup's epilogue
 PRODUCER_THREADS = 128
 CONSUMER_WARPS = 8       # the empty barriers count one arrival per consumer warp (its lane 0)
@@ -101,15 +109,6 @@ class GemmWSConfig:
     # the same thread, as GeGLU's halves do), instead of in the staged shared tile behind one more barrier; the same
     # arithmetic (from the 16-bit rounded value, fp32 math)
     rope_regs: bool = False
-    # Persistent only: epi_wg moves the epilogue to the producer warpgroup's three idle warps (warp 0 alone issues
-    # the loads). The consumers convert their accumulators to 16 bits (after the bias and activation, as the
-    # staged store does) and hand them over through one shared 32 KiB buffer in two halves: the epilogue warps take
-    # the first half into registers, free the buffer for the second, and compute and store (16 bytes a thread,
-    # straight to global memory) while the consumers run the next tile's products. A consumer waits for one load
-    # round trip a tile, not for the epilogue: GeGLU's 64 exact erfs a thread and Wqkv's RoPE leave the tensor
-    # cores' path. The plain and RoPE outputs are the same bits as the staged store's; GeGLU's GELU x gate is then
-    # computed from the 16-bit rounded halves (as an unfused GeGLU does), not from the fp32 accumulators.
-    epi_wg: bool = False
     # Persistent only: cluster = 2 launches blocks in pairs (a 2-CTA cluster, one per SM pair) that run adjacent
     # row blocks of the same column block in step: each W tile is loaded once and multicast into both blocks' shared
     # memory (TMA multicast), halving the weight traffic from L2; a stage is refilled only once both blocks' consumers
@@ -118,22 +117,18 @@ class GemmWSConfig:
 
     def tag(self) -> str:
         """A short text form, e.g. 128x256x64s4 (p132: persistent over 132 blocks; w0: inflight=0; j: joint; gN:
-        stagger N; q: RoPE in registers; e: epilogue warps; c2: 2-CTA clusters with the W tiles multicast)."""
-        return "%dx%dx%ds%d%s%s%s%s%s%s%s" % (self.bm, self.bn, self.bk, self.stages,
+        stagger N; q: RoPE in registers; c2: 2-CTA clusters with the W tiles multicast)."""
+        return "%dx%dx%ds%d%s%s%s%s%s%s" % (self.bm, self.bn, self.bk, self.stages,
                                             "p%d" % self.persistent if self.persistent else "",
                                             "" if self.inflight else "w0", "j" if self.joint else "",
                                             "g%d" % self.stagger if self.stagger else "", "q" if self.rope_regs else "",
-                                            "e" if self.epi_wg else "",
                                             "c%d" % self.cluster if self.cluster > 1 else "")
 
     def epilogue(self, wt: int = 1) -> str:
         """How the consumers stage their output for the TMA store: "alias" (non-persistent, stages * bk == bn:
         onto their own A half-ring, free once their last wgmma batch is done), "full" (a bf16 bm x bn tile of
-        its own), "chunk" (a double-buffered bm x EPI_COLS tile, stored EPI_COLS columns at a time: what a
-        persistent 4-stage 128x256x64 ring leaves room for) or "wg" (epi_wg: the epilogue warps' 16-bit
-        hand-over buffer)."""
-        if self.epi_wg:
-            return "wg"
+        its own) or "chunk" (a double-buffered bm x EPI_COLS tile, stored EPI_COLS columns at a time: what a
+        persistent 4-stage 128x256x64 ring leaves room for)."""
         if not self.persistent and self.stages * self.bk == self.bn:
             return "alias"
         if self._ring_bytes(wt) + self.bm * self.bn * 2 <= SMEM_LIMIT - 1024:
@@ -147,8 +142,6 @@ class GemmWSConfig:
         """Dynamic shared memory: the ring (wt weight tiles a stage: 2 for GeGLU) and the staging tiles (16-bit);
         the mbarriers are static."""
         epi = self.epilogue(wt)
-        if epi == "wg":
-            return self._ring_bytes(wt) + HANDOVER_BYTES
         return self._ring_bytes(wt) + {"alias": 0, "full": self.bm * self.bn * 2,
                                      "chunk": 2 * self.bm * EPI_COLS * 2}[epi]
 
@@ -180,16 +173,8 @@ def check_config(cfg: GemmWSConfig, wt: int = 1) -> None:
         raise ValueError("joint is GeGLU's one-wgmma form: GeGLU only, bn at most 128 (2 * bn wgmma columns)")
     if cfg.cluster not in (1, 2):
         raise ValueError("cluster must be 1 or 2")
-    if cfg.cluster > 1 and (not cfg.persistent or cfg.persistent % 2 or cfg.stagger or cfg.epi_wg):
-        raise ValueError("2-CTA clusters need a persistent kernel over an even number of blocks, no stagger and no "
-                         "epilogue warps")
-    if cfg.epi_wg:
-        if not (cfg.persistent and cfg.bm == 128 and not cfg.stagger and (cfg.joint or wt == 1)):
-            raise ValueError("epilogue warps (epi_wg) need a persistent kernel with bm 128, no stagger and, for "
-                             "GeGLU, the joint form")
-        if cfg.bn != (128 if wt == 2 else 256):
-            raise ValueError("epilogue warps take a tile in two 128-column halves: bn must be 256 (128 of each "
-                             "GeGLU half)")
+    if cfg.cluster > 1 and (not cfg.persistent or cfg.persistent % 2 or cfg.stagger):
+        raise ValueError("2-CTA clusters need a persistent kernel over an even number of blocks and no stagger")
 
 
 def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: bool = False, act: str = "none",
@@ -207,11 +192,8 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
     check_config(cfg, wt)
     if act not in ACTS:
         raise ValueError("act must be one of %s, got %r" % (ACTS, act))
-    if rope_cols and (rope_cols % EPI_COLS or act != "none" or geglu or cfg.epilogue(wt) not in ("chunk", "wg")):
-        raise ValueError("a RoPE epilogue needs rope_cols a multiple of 64, no activation and a chunked epilogue "
-                         "or epilogue warps")
-    if cfg.epi_wg and (N % 8 or rope_cols and N % 64):
-        raise ValueError("epilogue warps store 8 columns at a time: N must be a multiple of 8 (of 64 with RoPE)")
+    if rope_cols and (rope_cols % EPI_COLS or act != "none" or geglu or cfg.epilogue(wt) != "chunk"):
+        raise ValueError("a RoPE epilogue needs rope_cols a multiple of 64, no activation and a chunked epilogue")
     if geglu and (bias or act != "none"):
         raise ValueError("the GeGLU form takes no bias or activation")
     tilelang, T = _tl.tl()
@@ -231,18 +213,12 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
     # (2 * (pt // nbn) + rank; the second may lie past M: zero-filled loads, clipped stores) share column block pt % nbn
     n_tiles = T.ceildiv(T.ceildiv(M, bm), CL) * nbn
     n_waves = T.ceildiv(n_tiles, P // CL) if P else 1
+    mask = 0b11 if CL == 2 else None      # W tiles: multicast to both blocks of the cluster (the first issues it)
     NW = 2 * N if geglu else N            # rows of W
     joint = cfg.joint
     stagger = min(cfg.stagger, -(-K // bk))   # a first tile of fewer k-steps releases the other consumer at its end
     if joint:
         acc_regs *= 2                     # one accumulator of 2 * bn columns
-    ec = cfg.epi_wg
-    # epilogue warps: a chunk is two 8-column pieces of one tile row that one thread converts (RoPE: a head's
-    # columns d and d + 32; GeGLU: the GELU half's and the gate half's; plain: columns c and c + 64), 8 a row of a
-    # hand-over; NI chunk steps a hand-over, each epilogue thread one chunk a step
-    NI = -(-bm * 8 // EPI_THREADS)
-    producers = 32 if ec else PRODUCER_THREADS
-    mask = 0b11 if CL == 2 else None      # W tiles: multicast to both blocks of the cluster (the first issues it)
 
     @T.macro
     def release(empty, s):
@@ -358,88 +334,9 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
                 T.tma_copy(Cg_s, C[r0:r0 + hm, bx * bn:(bx + 1) * bn])
 
     @T.macro
-    def hand_over(C_l, Bias, E_s, efull, eempty, bx, it, grp):
-        # the 16-bit accumulator in two halves (of 128 columns: of each GeGLU half, 64) through the buffer's slabs
-        # grp * 2 + part (64 x 64 each): wait until the epilogue warps have loaded the buffer's previous contents,
-        # write, arrive (every consumer thread: each one's writes are released by its own arrival)
-        if bias:
-            for i, j in T.Parallel(hm, bn):
-                C_l[i, j] = apply_act(C_l[i, j] + Bias[bx * bn + j], act, T)
-        elif act != "none":
-            for i, j in T.Parallel(hm, bn):
-                C_l[i, j] = apply_act(C_l[i, j], act, T)
-        for h in T.unroll(2):
-            T.mbarrier_wait_parity(eempty[0], ((it * 2 + h) & 1) ^ 1)
-            for part in T.unroll(2):
-                c0 = part * bn + h * 64 if geglu else h * 128 + part * 64
-                T.copy(C_l[:, c0:c0 + 64], E_s[grp * 2 + part, :, :])
-            T.mbarrier_arrive(efull[0])
-
-    @T.macro
-    def epilogue_wg(C, Pos, Cos, Sin, E_s, G_r, U_r, O_r, efull, eempty, by, bx, it, et):
-        # a tile's two hand-overs: load this thread's chunks (chunk q = et + EPI_THREADS * i: tile row q // 8, piece
-        # pair q % 8), free the buffer, then convert and store 16 bytes a piece; rows >= M and columns >= N
-        # (N % 8 == 0) are not stored
-        for h in T.unroll(2):
-            T.mbarrier_wait_parity(efull[0], (it * 2 + h) & 1)
-            for i in T.unroll(NI):
-                q = et + EPI_THREADS * i
-                if q < bm * 8:
-                    slab = q // 8 // hm * 2
-                    r = q // 8 % hm
-                    if rope_cols:   # columns d and d + 32 of head q % 8 // 4 of the hand-over
-                        for v in T.vectorized(8):
-                            G_r[i * 8 + v] = E_s[slab + q % 8 // 4, r, q % 4 * 8 + v]
-                        for v in T.vectorized(8):
-                            U_r[i * 8 + v] = E_s[slab + q % 8 // 4, r, 32 + q % 4 * 8 + v]
-                    else:
-                        for v in T.vectorized(8):
-                            G_r[i * 8 + v] = E_s[slab, r, q % 8 * 8 + v]
-                        for v in T.vectorized(8):
-                            U_r[i * 8 + v] = E_s[slab + 1, r, q % 8 * 8 + v]
-            T.mbarrier_arrive(eempty[0])
-            for i in T.unroll(NI):
-                q = et + EPI_THREADS * i
-                row = by * bm + q // 8
-                if q < bm * 8:
-                    if row < M:
-                        if geglu:
-                            col = bx * bn + h * 64 + q % 8 * 8
-                            if col < N:
-                                for v in T.unroll(8):
-                                    O_r[v] = T.Cast(DT, apply_act(T.Cast(F32, G_r[i * 8 + v]), "gelu", T) *
-                                                    T.Cast(F32, U_r[i * 8 + v]))
-                                for v in T.vectorized(8):
-                                    C[row, col + v] = O_r[v]
-                        elif rope_cols:
-                            col = bx * bn + h * 128 + q % 8 // 4 * 64 + q % 4 * 8
-                            if col < N:   # N % 64 == 0: column col + 32 is inside too
-                                if col < rope_cols:
-                                    # a Q or K head: rotate columns d and d + 32 from their rounded values in fp32
-                                    p = Pos[row]
-                                    for v in T.unroll(8):
-                                        d = q % 4 * 8 + v
-                                        x0 = T.Cast(F32, G_r[i * 8 + v])
-                                        x1 = T.Cast(F32, U_r[i * 8 + v])
-                                        G_r[i * 8 + v] = T.Cast(DT, x0 * Cos[p, d] - x1 * Sin[p, d])
-                                        U_r[i * 8 + v] = T.Cast(DT, x1 * Cos[p, d] + x0 * Sin[p, d])
-                                for v in T.vectorized(8):
-                                    C[row, col + v] = G_r[i * 8 + v]
-                                for v in T.vectorized(8):
-                                    C[row, col + 32 + v] = U_r[i * 8 + v]
-                        else:
-                            col = bx * bn + h * 128 + q % 8 * 8
-                            if col < N:
-                                for v in T.vectorized(8):
-                                    C[row, col + v] = G_r[i * 8 + v]
-                            if col + 64 < N:
-                                for v in T.vectorized(8):
-                                    C[row, col + 64 + v] = U_r[i * 8 + v]
-
-    @T.macro
     def consume(C, Bias, Ag_s, W_s, Wg_s, C_l, Cx_l, Cg_s, Cs_l, Sn_l, Xr_l, full, empty, go, Pos, Cos, Sin, by, bx,
-                it, grp, lane, E_s, efull, eempty):
-        if rope_cols and not ec:
+                it, grp, lane):
+        if rope_cols:
             if bx * bn < rope_cols:
                 # this tile's cosines and sines (one pair per row and frequency, shared by its heads), loaded before
                 # the main loop so their latency hides behind it rather than stalling each head's rotation
@@ -484,32 +381,27 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
         T.warpgroup_fence_operand(C_l, num_regs=acc_regs)
         if geglu and not joint:
             T.warpgroup_fence_operand(Cx_l, num_regs=acc_regs)
-        if ec:
-            hand_over(C_l, Bias, E_s, efull, eempty, bx, it, grp)
-        elif joint:
+        if joint:
             # the gate half into a fragment of its own: a parallel loop must index a fragment one way only, and
             # column j + bn sits in the thread that holds column j, so this is a renaming of registers
             for i, j in T.Parallel(hm, bn):
                 Cx_l[i, j] = C_l[i, bn + j]
-        if not ec:
-            epilogue(C, Bias, C_l, Cx_l, Cg_s, Cs_l, Sn_l, Xr_l, by, bx, grp)
+        epilogue(C, Bias, C_l, Cx_l, Cg_s, Cs_l, Sn_l, Xr_l, by, bx, grp)
 
     @T.macro
     def consumer(C, Bias, Ag_s, W_s, Wg_s, C_l, Cx_l, Cg_s, Cs_l, Sn_l, Xr_l, full, empty, go, Pos, Cos, Sin, ids,
-                 grp, lane, E_s, efull, eempty):
-        if not ec:
-            T.set_max_nreg(CONSUMER_REGS, 1)
+                 grp, lane):
+        T.set_max_nreg(CONSUMER_REGS, 1)
         if P:
             for w in T.serial(n_waves):
                 t = w * (P // CL) + ids // CL
                 if t < n_tiles:
                     consume(C, Bias, Ag_s, W_s, Wg_s, C_l, Cx_l, Cg_s, Cs_l, Sn_l, Xr_l, full, empty, go, Pos, Cos,
-                            Sin, t // nbn * CL + ids % CL, t % nbn, w, grp, lane, E_s, efull, eempty)
+                            Sin, t // nbn * CL + ids % CL, t % nbn, w, grp, lane)
         else:
             consume(C, Bias, Ag_s, W_s, Wg_s, C_l, Cx_l, Cg_s, Cs_l, Sn_l, Xr_l, full, empty, go, Pos, Cos, Sin,
-                    ids[1], ids[0], 0, grp, lane, E_s, efull, eempty)
-        if not ec:
-            T.tma_store_wait(0)   # the staging tile (shared memory) must outlive the last store's reads
+                    ids[1], ids[0], 0, grp, lane)
+        T.tma_store_wait(0)   # the staging tile (shared memory) must outlive the last store's reads
 
     @T.macro
     def body(A, W, Bias, C, Pos, Cos, Sin):
@@ -520,16 +412,7 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
             A1_s = T.alloc_shared((S, hm, bk), DT)
             W_s = T.alloc_shared((S, 2 * bn if joint else bn, bk), DT)
             Wg_s = T.alloc_shared((S, bn, bk), DT) if geglu and not joint else None
-            E_s = G_r = U_r = O_r = efull = eempty = None
-            if epi == "wg":
-                C0_s = C1_s = None
-                E_s = T.alloc_shared((4, hm, 64), DT)
-                G_r = T.alloc_local((NI * 8,), DT)
-                U_r = T.alloc_local((NI * 8,), DT)
-                O_r = T.alloc_local((8,), DT)
-                efull = T.alloc_barrier([256])            # every consumer thread
-                eempty = T.alloc_barrier([EPI_THREADS])   # every epilogue thread
-            elif epi == "alias":
+            if epi == "alias":
                 # a (hm, bn) view of the ring would need its own layout, and TileLang keys layouts by the
                 # storage ("Get different layout for A0_s"): the epilogue writes the ring's slabs instead
                 C0_s, C1_s = A0_s, A1_s
@@ -541,28 +424,24 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
                 C1_s = T.alloc_shared((2, hm, EPI_COLS), DT)
             C0_l = T.alloc_fragment((hm, 2 * bn if joint else bn), F32)
             C1_l = T.alloc_fragment((hm, 2 * bn if joint else bn), F32)
-            C0x_l = T.alloc_fragment((hm, bn), F32) if geglu and not ec else None
-            C1x_l = T.alloc_fragment((hm, bn), F32) if geglu and not ec else None
-            cs = [T.alloc_fragment((hm, 32), F32) for _ in range(4)] if rope_cols and not ec else [None] * 4
-            xr = [T.alloc_fragment((hm, 32), F32) for _ in range(2)] if rope_cols and cfg.rope_regs and not ec \
-                else [None] * 2
-            full = T.alloc_barrier([producers] * S)
+            C0x_l = T.alloc_fragment((hm, bn), F32) if geglu else None
+            C1x_l = T.alloc_fragment((hm, bn), F32) if geglu else None
+            cs = [T.alloc_fragment((hm, 32), F32) for _ in range(4)] if rope_cols else [None] * 4
+            xr = [T.alloc_fragment((hm, 32), F32) for _ in range(2)] if rope_cols and cfg.rope_regs else [None] * 2
+            full = T.alloc_barrier([PRODUCER_THREADS] * S)
             # with clusters: every consumer warp of both blocks frees a stage in both
             empty = T.alloc_cluster_barrier([CONSUMER_WARPS * 2] * S) if CL > 1 else \
                 T.alloc_barrier([CONSUMER_WARPS] * S)
             go = T.alloc_barrier([CONSUMER_WARPS // 2]) if stagger else None   # the first consumer's 4 warps
             ring = (A0_s, A1_s, W_s) + ((Wg_s,) if Wg_s is not None else ())
             layouts = {b: tilelang.layout.make_swizzled_layout(b) for b in ring}
-            if epi == "wg":
-                layouts[E_s] = tilelang.layout.make_swizzled_layout(E_s)
-            elif epi != "alias":
+            if epi != "alias":
                 layouts.update({b: tilelang.layout.make_swizzled_layout(b) for b in (C0_s, C1_s)})
             T.annotate_layout(layouts)
             tx = T.get_thread_binding()
             lane = tx % 32
-            if tx < producers:
-                if not ec:
-                    T.set_max_nreg(PRODUCER_REGS, 0)
+            if tx < PRODUCER_THREADS:
+                T.set_max_nreg(PRODUCER_REGS, 0)
                 if P:
                     for w in T.serial(n_waves):
                         t = w * (P // CL) + ids // CL
@@ -570,18 +449,12 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
                             produce(A, W, A0_s, A1_s, W_s, Wg_s, full, empty, t // nbn * CL + ids % CL, t % nbn, w)
                 else:
                     produce(A, W, A0_s, A1_s, W_s, Wg_s, full, empty, ids[1], ids[0], 0)
-            elif ec and tx < PRODUCER_THREADS:
-                # epi_wg: the producer warpgroup's warps 1-3 run the epilogue
-                for w in T.serial(n_waves):
-                    t = w * P + ids
-                    if t < n_tiles:
-                        epilogue_wg(C, Pos, Cos, Sin, E_s, G_r, U_r, O_r, efull, eempty, t // nbn, t % nbn, w, tx - 32)
             elif tx < PRODUCER_THREADS + 128:
                 consumer(C, Bias, A0_s, W_s, Wg_s, C0_l, C0x_l, C0_s, cs[0], cs[1], xr[0], full, empty, go, Pos, Cos,
-                         Sin, ids, 0, lane, E_s, efull, eempty)
-            elif tx < PRODUCER_THREADS + 256:
+                         Sin, ids, 0, lane)
+            else:
                 consumer(C, Bias, A1_s, W_s, Wg_s, C1_l, C1x_l, C1_s, cs[2], cs[3], xr[1], full, empty, go, Pos, Cos,
-                         Sin, ids, 1, lane, E_s, efull, eempty)
+                         Sin, ids, 1, lane)
             if CL > 1:
                 # neither block exits while the other may still arrive on its barriers
                 T.cluster_sync()
@@ -632,18 +505,20 @@ def gemm_manual_kernel(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias:
                                              name, pass_configs=pass_configs()))
 
 
-# What the forward uses for more than gemm.SMALL_M tokens on Hopper (one persistent block per SM): 128 x 256 x 64
-# tiles, 4 stages, output 64 columns at a time, Wqkv's RoPE in registers; GeGLU 128 x 128 (of each half) x 64, 4
-# stages, one joint n=256 product, a whole staged tile; both wait for each k-step's batch (inflight=0: as fast or 1-3%
-# faster than one batch in flight on the H200). Twelfth session (H200, bench/fast_path.py): Wqkv + RoPE 0.650 ms in
-# registers against 0.672 through shared memory; GeGLU joint 590-617 TF/s against 573-602 for two n=128 products.
-# Staggered consumers measured -2% to +3% per shape across two runs (noise on those hosts): an alternative only.
-GEMM = GemmWSConfig(bm=128, bn=256, bk=64, stages=4, persistent=132, inflight=0, rope_regs=True)
-GEGLU = GemmWSConfig(bm=128, bn=128, bk=64, stages=4, persistent=132, inflight=0, joint=True)
+# What the forward uses for more than gemm.SMALL_M tokens on Hopper (one persistent block per SM, in 2-CTA clusters
+# that share each W tile through TMA multicast): 128 x 256 x 64 tiles, 4 stages, output 64 columns at a time, Wqkv's
+# RoPE in registers; GeGLU 128 x 128 (of each half) x 64, 4 stages, one joint n=256 product, a whole staged tile;
+# both wait for each k-step's batch (inflight=0: as fast or 1-3% faster than one batch in flight on the H200).
+# Twelfth session (H200, bench/fast_path.py): Wqkv + RoPE 0.650 ms in registers against 0.672 through shared memory;
+# GeGLU joint 590-617 TF/s against 573-602 for two n=128 products. Thirteenth: the clusters took Wqkv + RoPE from
+# 0.644 to 0.625 ms and GeGLU from 1.174 to 1.150 ms (the other products within 1%), and the offline forward from
+# 649k to 660k tokens/s. Staggered consumers measured -2% to +3% per shape across two runs: an alternative only.
+GEMM = GemmWSConfig(bm=128, bn=256, bk=64, stages=4, persistent=132, inflight=0, rope_regs=True, cluster=2)
+GEGLU = GemmWSConfig(bm=128, bn=128, bk=64, stages=4, persistent=132, inflight=0, joint=True, cluster=2)
 # Other configs bench/fast_path.py times beside the defaults (keyed by geglu) and runs when faster
 ALTERNATIVES: dict[bool, tuple[GemmWSConfig, ...]] = {
-    False: (replace(GEMM, stagger=3), replace(GEMM, rope_regs=False), replace(GEMM, cluster=2)),
-    True: (replace(GEGLU, joint=False), replace(GEGLU, cluster=2)),
+    False: (replace(GEMM, cluster=1), replace(GEMM, cluster=1, stagger=3)),
+    True: (replace(GEGLU, cluster=1),),
 }
 # A measured winner per form (geglu -> config) that `pick` prefers to the default: bench/fast_path.py fills it in
 # the process it benchmarks, as kernels/gemm.py's TUNED
@@ -670,8 +545,6 @@ def pick(M: int, N: int, in_dtype: torch.dtype, out_dtype: torch.dtype, geglu: b
     if M <= SMALL_M or N < 64 or in_dtype != out_dtype or not enabled():
         return None
     base = TUNED.get(geglu) or (GEGLU if geglu else GEMM)
-    if base.epi_wg and N % 8:   # the epilogue warps store 8 columns at a time
-        base = replace(base, epi_wg=False)
     n = sm_count()
     if base.cluster > 1 and n % base.cluster:   # every block of a persistent cluster launch has its pair
         base = replace(base, cluster=1)

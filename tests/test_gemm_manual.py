@@ -21,8 +21,8 @@ BF, F16 = torch.bfloat16, torch.float16
 
 
 def test_configs_and_tags():
-    assert gm.GEMM.tag() == "128x256x64s4p132w0q" and gm.GEMM.epilogue() == "chunk"
-    assert gm.GEGLU.tag() == "128x128x64s4p132w0j" and gm.GEGLU.epilogue(2) == "full"
+    assert gm.GEMM.tag() == "128x256x64s4p132w0qc2" and gm.GEMM.epilogue() == "chunk"
+    assert gm.GEGLU.tag() == "128x128x64s4p132w0jc2" and gm.GEGLU.epilogue(2) == "full"
     assert gm.GemmWSConfig(stages=4).epilogue() == "alias"
     gm.check_config(gm.GEGLU, 2)
     with pytest.raises(ValueError, match="shared memory"):
@@ -30,29 +30,15 @@ def test_configs_and_tags():
     with pytest.raises(ValueError, match="two accumulators"):
         gm.check_config(gm.GemmWSConfig(stages=2, persistent=132), 2)   # 64 x 256 of each half: 256 registers
     two = replace(gm.GEGLU, joint=False)
-    assert two.tag() == "128x128x64s4p132w0" and two.smem_bytes(2) == gm.GEGLU.smem_bytes(2)
+    assert two.tag() == "128x128x64s4p132w0c2" and two.smem_bytes(2) == gm.GEGLU.smem_bytes(2)
     with pytest.raises(ValueError, match="joint"):
         gm.check_config(replace(gm.GEMM, joint=True), 1)
-    assert replace(gm.GEMM, stagger=2).tag() == "128x256x64s4p132w0g2q"
+    assert replace(gm.GEMM, cluster=1, stagger=2).tag() == "128x256x64s4p132w0g2q"
     with pytest.raises(ValueError, match="stagger"):
         gm.check_config(replace(gm.GEMM, stagger=4))
-    # epilogue warps: a 32 KiB hand-over buffer beside the 4-stage ring, for the GeGLU and the plain defaults
-    eg, ep = replace(gm.GEGLU, epi_wg=True), replace(gm.GEMM, epi_wg=True)
-    assert eg.tag() == "128x128x64s4p132w0je" and ep.tag() == "128x256x64s4p132w0qe"
-    assert eg.epilogue(2) == ep.epilogue() == "wg" and eg.smem_bytes(2) == ep.smem_bytes() == (4 * 48 + 32) * 1024
-    gm.check_config(eg, 2)
-    gm.check_config(ep)
-    with pytest.raises(ValueError, match="epilogue warps"):
-        gm.check_config(replace(ep, persistent=0))
-    with pytest.raises(ValueError, match="epilogue warps"):
-        gm.check_config(replace(eg, joint=False), 2)
-    with pytest.raises(ValueError, match="two 128-column halves"):
-        gm.check_config(replace(ep, bn=128))
-    with pytest.raises(ValueError, match="multiple of 8"):
-        gm.build_gemm_manual(1004, 1024, ep)
-    # 2-CTA clusters (W multicast): persistent over an even number of blocks only
-    c2 = replace(gm.GEMM, cluster=2)
-    assert c2.tag() == "128x256x64s4p132w0qc2" and replace(gm.GEGLU, cluster=2).tag() == "128x128x64s4p132w0jc2"
+    # 2-CTA clusters (W multicast, the defaults): persistent over an even number of blocks only
+    c2 = gm.GEMM
+    assert replace(c2, cluster=1).tag() == "128x256x64s4p132w0q"
     gm.check_config(c2)
     for bad in (replace(c2, persistent=0), replace(c2, persistent=131), replace(c2, stagger=2), replace(c2, cluster=4)):
         with pytest.raises(ValueError, match="cluster"):
@@ -71,16 +57,13 @@ def test_pick(monkeypatch):
     assert gm.pick(4096, 16, BF, torch.float32) is None
     monkeypatch.setattr(gm, "sm_count", lambda: 114)   # an H100 PCIe: one block per SM there
     assert gm.pick(4096, 1024, BF, BF).persistent == 114
-    monkeypatch.setitem(gm.TUNED, True, replace(gm.GEGLU, stagger=2))   # a measured winner (bench/fast_path.py)
-    assert gm.pick(4096, 2624, BF, BF, geglu=True) == replace(gm.GEGLU, stagger=2, persistent=114)
+    # a measured winner (bench/fast_path.py)
+    monkeypatch.setitem(gm.TUNED, True, replace(gm.GEGLU, cluster=1, stagger=2))
+    assert gm.pick(4096, 2624, BF, BF, geglu=True) == replace(gm.GEGLU, cluster=1, stagger=2, persistent=114)
     assert gm.pick(4096, 1024, BF, BF) == replace(gm.GEMM, persistent=114)
-    monkeypatch.setitem(gm.TUNED, False, replace(gm.GEMM, cluster=2))
     assert gm.pick(4096, 1024, BF, BF).cluster == 2
-    monkeypatch.setattr(gm, "sm_count", lambda: 113)   # an odd SM count: no pairs for every block
-    assert gm.pick(4096, 1024, BF, BF) == replace(gm.GEMM, persistent=113)
-    monkeypatch.setattr(gm, "sm_count", lambda: 114)
-    monkeypatch.setitem(gm.TUNED, False, replace(gm.GEMM, epi_wg=True))
-    assert gm.pick(4096, 1024, BF, BF).epi_wg and not gm.pick(4096, 1020, BF, BF).epi_wg   # 8 columns a store
+    monkeypatch.setattr(gm, "sm_count", lambda: 113)   # an odd SM count: not every block would have its pair
+    assert gm.pick(4096, 1024, BF, BF) == replace(gm.GEMM, persistent=113, cluster=1)
     monkeypatch.setenv("LAYA_FLEET_MANUAL_GEMM", "0")
     assert gm.pick(4096, 1024, BF, BF) is None
     monkeypatch.setenv("LAYA_FLEET_MANUAL_GEMM", "1")
@@ -112,7 +95,7 @@ def test_manual_kernels_compile_for_hopper(monkeypatch):
     taken) in 384 threads; the output leaves through TMA stores only; the persistent form walks the tiles in waves
     of 132 blocks; the RoPE form rotates only heads below rope_cols; the GeGLU form loads both halves of Wi."""
     monkeypatch.setenv("LAYA_FLEET_TL_ARCH", "sm_90a")
-    for cfg in (gm.GEMM, gm.GemmWSConfig(stages=4), gm.GemmWSConfig(stages=3, persistent=132)):
+    for cfg in (replace(gm.GEMM, cluster=1), gm.GemmWSConfig(stages=4), gm.GemmWSConfig(stages=3, persistent=132)):
         src = gm.gemm_manual_kernel(3072, 1024, cfg).get_kernel_source()
         assert re.findall(r"__launch_bounds__\((\d+)", src) == ["384"]
         assert "warpgroup_reg_dealloc<%d>" % gm.PRODUCER_REGS in src
@@ -127,29 +110,19 @@ def test_manual_kernels_compile_for_hopper(monkeypatch):
     gs = gm.gemm_manual_kernel(2624, 1024, replace(gm.GEGLU, joint=False), geglu=True).get_kernel_source()
     assert "erff" in gs and "lf_geglu_ws" in gs and gs.count("tma_load(Wi_desc") == 2
     assert re.findall(r"wgmma_ss<[^>]*, 64, (\d+), 16", gs) == ["128"] * 4   # two n=128 products a consumer
-    js = gm.gemm_manual_kernel(2624, 1024, gm.GEGLU, geglu=True).get_kernel_source()
-    assert js.count("tma_load(Wi_desc") == 2 and "_c128x128x64s4p132w0j" in js
+    js = gm.gemm_manual_kernel(2624, 1024, replace(gm.GEGLU, cluster=1), geglu=True).get_kernel_source()
+    assert js.count("tma_load(Wi_desc") == 2 and "_c128x128x64s4p132w0j_" in js
     assert re.findall(r"wgmma_ss<[^>]*, 64, (\d+), 16", js) == ["256"] * 2   # one n=256 product a consumer
-    # epilogue warps: warp 0 loads, warps 1-3 compute GELU x gate and store 16 bytes a thread; the consumers only
-    # hand their 16-bit accumulators over (no erf, no staging tile, no TMA store, no register reallocation)
-    es = gm.gemm_manual_kernel(2624, 1024, replace(gm.GEGLU, epi_wg=True), geglu=True).get_kernel_source()
-    assert "efull[0].init(256)" in es and "eempty[0].init(96)" in es and "full[0].init(32)" in es
-    assert "warpgroup_reg_alloc" not in es and "tma_store(" not in es and es.count("erff(") == 1
-    assert "*(uint4*)(C + " in es and es.index("erff(") < es.index("if (((int)threadIdx.x) < 256)")
-    # the plain form with RoPE: the epilogue warps rotate a head's columns d and d + 32 (8 of 12 column tiles)
-    er = gm.gemm_manual_kernel(3072, 1024, replace(gm.GEMM, epi_wg=True), rope_cols=2048).get_kernel_source()
-    assert "efull[0].init(256)" in er and "Cos[" in er and "tma_store(" not in er and "_c128x256x64s4p132w0qe" in er
-    assert er.count("*(uint4*)(C + ") == 2 and "% 12) < 8" in er
     # clusters: the W tiles multicast by the first block of a pair, stages freed in both blocks
-    cs = gm.gemm_manual_kernel(2624, 1024, replace(gm.GEGLU, cluster=2), geglu=True).get_kernel_source()
-    assert cs.count("tma_load_multicast(Wi_desc") == 2 and "empty[0].init(16)" in cs
+    cs = gm.gemm_manual_kernel(2624, 1024, gm.GEGLU, geglu=True).get_kernel_source()
+    assert cs.count("tma_load_multicast(Wi_desc") == 2 and "empty[0].init(16)" in cs and "* 66)" in cs
     assert "].arrive(0u)" in cs and "].arrive(1u)" in cs and cs.count("cluster_sync()") >= 2
     # staggered: the second consumer waits (once, on its first tile) for the first's arrival after 2 k-steps
-    st = gm.gemm_manual_kernel(3072, 1024, replace(gm.GEMM, stagger=2), rope_cols=2048).get_kernel_source()
+    st = gm.gemm_manual_kernel(3072, 1024, replace(gm.GEMM, cluster=1, stagger=2), rope_cols=2048).get_kernel_source()
     assert "go[0].init(4)" in st and st.count("go[0].wait(0)") == 1 and "(k_1 == 1)" in st
     # RoPE in registers: no shared-memory rotation (no Cg_s reads back into registers before the store)
     q = gm.gemm_manual_kernel(3072, 1024, gm.GEMM, rope_cols=2048).get_kernel_source()
-    assert "_c128x256x64s4p132w0q_r2048" in q and "__bfloat1622float2" in q
+    assert "_c128x256x64s4p132w0qc2_r2048" in q and "__bfloat1622float2" in q
     assert "= *(uint2*)(((bfloat16_t*)C0_s)" not in q and "= *(uint2*)(((bfloat16_t*)C0_s)" in rs
     bs = gm.gemm_manual_kernel(4096, 1024, gm.GEMM, bias=True, act="relu", dtype=F16).get_kernel_source()
     assert "Bias" in bs and "kFloat16" in bs and "_ifloat16_b1_arelu" in bs
@@ -164,8 +137,7 @@ DEV = "cuda"
 
 CFGS = {"default": gm.GEMM, "inflight": gm.GemmWSConfig(stages=4, persistent=132, inflight=1),
         "alias": gm.GemmWSConfig(stages=4), "full": gm.GemmWSConfig(stages=3, persistent=132),
-        "stagger": replace(gm.GEMM, stagger=2), "epilogue_warps": replace(gm.GEMM, epi_wg=True),
-        "cluster": replace(gm.GEMM, cluster=2)}
+        "stagger": replace(gm.GEMM, cluster=1, stagger=2), "one_block": replace(gm.GEMM, cluster=1)}
 
 
 @gpu
@@ -201,8 +173,8 @@ def test_manual_gemm_with_rope_equals_gemm_then_rope(M):
     two_step = _poison(M, 3072)
     gm.gemm_manual_kernel(3072, 1024, gm.GEMM)(a, w, z, two_step)
     rope.rope(two_step, pos, cos, sin, heads)
-    for cfg in (gm.GEMM, replace(gm.GEMM, stagger=2), replace(gm.GEMM, rope_regs=False), replace(gm.GEMM, epi_wg=True),
-                replace(gm.GEMM, cluster=2)):
+    for cfg in (gm.GEMM, replace(gm.GEMM, cluster=1, stagger=2), replace(gm.GEMM, rope_regs=False),
+                replace(gm.GEMM, cluster=1)):
         fused = _poison(M, 3072)
         gm.gemm_manual_kernel(3072, 1024, cfg, rope_cols=2048)(a, w, z, fused, pos, cos, sin)
         _check_fused_rope(fused, two_step, a, w, pos, cos, sin, heads)
@@ -224,39 +196,15 @@ def test_manual_geglu(M, cfg):
 
 @gpu
 @needs_tilelang
-@pytest.mark.parametrize("M", [77, 40000])
-def test_epilogue_warps_same_bits(M):
-    """The epilogue warps convert (and rotate) the same 16-bit values the staged store would: every output bit is
-    the default kernel's (bias + GELU with a partial last column tile, N = 1000; Wqkv with RoPE). GeGLU's GELU x
-    gate comes from the rounded halves there (test_manual_geglu checks it against the fp32 reference)."""
-    a = torch.randn(M, 1024, device=DEV).bfloat16()
-    w = (torch.randn(1000, 1024, device=DEV) / 32).bfloat16()
-    b = torch.randn(1000, device=DEV)
-    ref, out = _poison(M, 1000), _poison(M, 1000)
-    gm.gemm_manual_kernel(1000, 1024, gm.GEMM, True, "gelu")(a, w, b, ref)
-    gm.gemm_manual_kernel(1000, 1024, replace(gm.GEMM, epi_wg=True), True, "gelu")(a, w, b, out)
-    assert torch.equal(out, ref)
-    w = (torch.randn(3072, 1024, device=DEV) / 32).bfloat16()
-    pos = torch.randint(0, 512, (M,), device=DEV, dtype=torch.int32)
-    cos, sin = rope.rope_tables(160000.0, 512, DEV)
-    z = gemm._zeros(3072, DEV)
-    ref, out = _poison(M, 3072), _poison(M, 3072)
-    gm.gemm_manual_kernel(3072, 1024, gm.GEMM, rope_cols=2048)(a, w, z, ref, pos, cos, sin)
-    gm.gemm_manual_kernel(3072, 1024, replace(gm.GEMM, epi_wg=True), rope_cols=2048)(a, w, z, out, pos, cos, sin)
-    assert torch.equal(out, ref)
-
-
-@gpu
-@needs_tilelang
 @pytest.mark.parametrize("M", [1, 77, 129, 4099, 40000])
 def test_cluster_multicast_same_bits(M):
-    """2-CTA clusters with the W tiles multicast run the same products in the same order: every bit is the
-    default kernel's (M = 1, 77: one row block, its pair past M; 129: two; odd and even pair counts)."""
+    """2-CTA clusters with the W tiles multicast (the defaults) run the same products in the same order: every bit is
+    the one-block kernel's (M = 1, 77: one row block, its pair past M; 129: two; odd and even pair counts)."""
     a = torch.randn(M, 1024, device=DEV).bfloat16()
     wi = (torch.randn(2 * 2624, 1024, device=DEV) / 32).bfloat16()
     ref, out = _poison(M, 2624), _poison(M, 2624)
     gm.gemm_manual_kernel(2624, 1024, gm.GEGLU, geglu=True)(a, wi, ref)
-    gm.gemm_manual_kernel(2624, 1024, replace(gm.GEGLU, cluster=2), geglu=True)(a, wi, out)
+    gm.gemm_manual_kernel(2624, 1024, replace(gm.GEGLU, cluster=1), geglu=True)(a, wi, out)
     assert torch.equal(out, ref)
     w = (torch.randn(3072, 1024, device=DEV) / 32).bfloat16()
     pos = torch.randint(0, 512, (M,), device=DEV, dtype=torch.int32)
@@ -264,7 +212,7 @@ def test_cluster_multicast_same_bits(M):
     z = gemm._zeros(3072, DEV)
     ref, out = _poison(M, 3072), _poison(M, 3072)
     gm.gemm_manual_kernel(3072, 1024, gm.GEMM, rope_cols=2048)(a, w, z, ref, pos, cos, sin)
-    gm.gemm_manual_kernel(3072, 1024, replace(gm.GEMM, cluster=2), rope_cols=2048)(a, w, z, out, pos, cos, sin)
+    gm.gemm_manual_kernel(3072, 1024, replace(gm.GEMM, cluster=1), rope_cols=2048)(a, w, z, out, pos, cos, sin)
     assert torch.equal(out, ref)
 
 
@@ -278,7 +226,7 @@ def test_manual_kernels_in_fp16():
     gm.gemm_manual_kernel(1024, 1024, gm.GEMM, True, "none", dtype=F16)(a, w, b, out)
     _close(out, gemm.gemm_ref(a, w, b), 1e-2)
     wi = (torch.randn(2 * 2624, 1024, device=DEV) / 32).half()
-    for cfg in (gm.GEGLU, replace(gm.GEGLU, joint=False), replace(gm.GEGLU, epi_wg=True)):
+    for cfg in (gm.GEGLU, replace(gm.GEGLU, joint=False), replace(gm.GEGLU, cluster=1)):
         g = _poison(3000, 2624, dtype=F16)
         gm.gemm_manual_kernel(2624, 1024, cfg, geglu=True, dtype=F16)(a, wi, g)
         _close(g, geglu.geglu_ref(a, wi), 1.5e-2)
