@@ -176,7 +176,7 @@ def section_gemm(res: dict, dims: dict, M: int) -> None:
                                                          a, w, out, pos, cos, sin, ref_rope))
             except Exception as e:  # a config that does not compile or run is reported, not fatal
                 cands.append({"cfg": cfg.tag(), "error": "%s: %s" % (type(e).__name__, e)})
-        ws = GM.pick(M, N, torch.bfloat16, torch.bfloat16, geglu=name == "wi_geglu")
+        ws = GM.pick(M, N, torch.bfloat16, torch.bfloat16, geglu=name == "wi_geglu", K=Kd)
         # what the forward runs on Hopper for this many rows (kernels/gemm_manual.py), then its alternatives
         for alt in ([] if ws is None else [ws] + [replace(c, persistent=ws.persistent)
                                                 for c in GM.ALTERNATIVES[name == "wi_geglu"]]):
@@ -198,14 +198,17 @@ def section_gemm(res: dict, dims: dict, M: int) -> None:
         use = min(ok_rope, key=lambda c: c["rope_ms"]) if ok_rope else min(ok, key=lambda c: c["ms"]) if ok else None
         if use is not None:
             (G.TUNED if name == "wi_geglu" else K.TUNED)[(N, Kd)] = use["_cfg"]
-        # the fastest manual config is what the forward (engines built after this section) runs: GeGLU's per shape,
-        # the plain one (a single config for every plain product) by its time summed over the encoder's products
+        # the fastest manual config is what the forward (engines built after this section) runs: per product (Wqkv by
+        # its time with the RoPE epilogue); the plain config summed fastest over the encoder's products serves any
+        # plain product not timed here
         chosen = use
         if manual and name == "wi_geglu":
             chosen = min(manual, key=lambda c: c["ms"])
             GM.TUNED[True] = chosen["_ws"]
         elif manual:
-            chosen = manual[0]
+            timed = [c for c in manual if name != "wqkv" or "rope_ms" in c] or manual
+            chosen = min(timed, key=lambda c: c.get("rope_ms", c["ms"]) if name == "wqkv" else c["ms"])
+            GM.TUNED[(False, N, Kd)] = chosen["_ws"]
             for c in manual:
                 if name in ("wqkv", "wo", "wo_mlp") and ("rope_ms" in c or name != "wqkv"):
                     plain_total.setdefault(c["cfg"], [c["_ws"], 0.0, 0])
@@ -224,11 +227,7 @@ def section_gemm(res: dict, dims: dict, M: int) -> None:
                                                              best and "%.0f TF/s (%s)" % (best["tflops"], best["cfg"])))
     full = [v for v in plain_total.values() if v[2] == 3]
     if len(full) > 1:
-        best_plain = min(full, key=lambda v: v[1])[0]
-        GM.TUNED[False] = best_plain
-        for r in rows:
-            if r["name"] != "wi_geglu" and str(r["used"]).startswith("ws:"):
-                r["used"] = "ws:" + best_plain.tag()
+        GM.TUNED[False] = min(full, key=lambda v: v[1])[0]
     # GEMM floor: every matmul of encoder + head + scorer at torch.matmul speed, per token at this M
     counts = {"wqkv": L, "wo": L, "wi_geglu": L, "wo_mlp": L, "head_ffn1": HL, "head_ffn2": HL}
     floor_ms = sum(r["torch_ms"] * counts[r["name"]] for r in rows)

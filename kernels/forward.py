@@ -139,9 +139,10 @@ def kernel_specs(d: int, heads: int, inter: int, ffn: int, windows, eps: float =
         ws = _gm.pick(big, 3 * d, adt, adt) if g is None else None
         if ws is not None:
             # Hopper, many rows: the hand-warp-specialised kernels (kernels/gemm_manual.py); RoPE always fused
-            specs += [("gemm_ws", (N, K, ws, b, a, r, False, adt)) for N, K, b, a, r in prods]
-            specs.append(("gemm_ws", (inter, d, _gm.pick(big, inter, adt, adt, geglu=True), False, "none", 0, True,
-                                      adt)))
+            specs += [("gemm_ws", (N, K, _gm.pick(big, N, adt, adt, K=K), b, a, r, False, adt))
+                      for N, K, b, a, r in prods]
+            specs.append(("gemm_ws", (inter, d, _gm.pick(big, inter, adt, adt, geglu=True, K=d), False, "none", 0,
+                                      True, adt)))
             continue
         specs += [("gemm", qkv),
                   ("gemm", (d, d, out_bias, "none", cfg(big, d, d), adt, *half)),
@@ -385,7 +386,7 @@ class FastForward:
         if self.ops["gemm"] == "tilelang":
             M, N = a.shape[0], w.shape[0]
             b = bias if bias is not None else self._zero_bias[:N]
-            ws = _gm.pick(M, N, a.dtype, out.dtype)
+            ws = _gm.pick(M, N, a.dtype, out.dtype, K=a.shape[1])
             if ws is not None:
                 _gm.gemm_manual_kernel(N, a.shape[1], ws, bias is not None, act, 0, False, a.dtype)(a, w, b, out)
             else:
@@ -398,7 +399,7 @@ class FastForward:
     def _fused_rope(self, M: int) -> bool:
         """Whether Wqkv's GEMM rotates Q and K in its epilogue at M tokens (both ops TileLang, a 64-wide tile)."""
         return (self.ops["gemm"] == "tilelang" and self.ops["rope"] == "tilelang"
-                and (_gm.pick(M, 3 * self.d, self.act_dtype, self.act_dtype) is not None
+                and (_gm.pick(M, 3 * self.d, self.act_dtype, self.act_dtype, K=self.d) is not None
                      or _gemm.pick_config(M, 3 * self.d, self.d).bn % 64 == 0))
 
     def _qkv(self, a, ly, pos, table, out):
@@ -410,7 +411,7 @@ class FastForward:
         tok = self._mark("gemm %dx%d+rope" % (ly.wqkv.shape[0], a.shape[1]))
         N, K = ly.wqkv.shape
         b = ly.bqkv if ly.bqkv is not None else self._zero_bias[:N]
-        ws = _gm.pick(a.shape[0], N, a.dtype, out.dtype)
+        ws = _gm.pick(a.shape[0], N, a.dtype, out.dtype, K=K)
         if ws is not None:
             kern = _gm.gemm_manual_kernel(N, K, ws, ly.bqkv is not None, "none", 2 * self.d, False, a.dtype)
         else:
@@ -423,7 +424,7 @@ class FastForward:
         tok = self._mark("geglu %dx%d" % (wi.shape[0] // 2, a.shape[1]))
         if self.ops["geglu"] == "tilelang":
             Fd = wi.shape[0] // 2
-            ws = _gm.pick(a.shape[0], Fd, a.dtype, out.dtype, geglu=True)
+            ws = _gm.pick(a.shape[0], Fd, a.dtype, out.dtype, geglu=True, K=a.shape[1])
             if ws is not None:
                 _gm.gemm_manual_kernel(Fd, a.shape[1], ws, False, "none", 0, True, a.dtype)(a, wi, out)
             else:

@@ -520,9 +520,10 @@ ALTERNATIVES: dict[bool, tuple[GemmWSConfig, ...]] = {
     False: (replace(GEMM, cluster=1), replace(GEMM, cluster=1, stagger=3)),
     True: (replace(GEGLU, cluster=1),),
 }
-# A measured winner per form (geglu -> config) that `pick` prefers to the default: bench/fast_path.py fills it in
-# the process it benchmarks, as kernels/gemm.py's TUNED
-TUNED: dict[bool, GemmWSConfig] = {}
+# Measured winners that `pick` prefers to the default: per product ((geglu, N, K) -> config), else per form (geglu ->
+# config); bench/fast_path.py fills it in the process it benchmarks, as kernels/gemm.py's TUNED. (Thirteenth
+# session: the clusters won for Wqkv and GeGLU in every call and lost 2-6% for Wo and MLP Wo, N = 1024, in two.)
+TUNED: dict = {}
 
 
 def enabled() -> bool:
@@ -537,14 +538,15 @@ def sm_count() -> int:
     return 132
 
 
-def pick(M: int, N: int, in_dtype: torch.dtype, out_dtype: torch.dtype, geglu: bool = False) -> GemmWSConfig | None:
-    """The config the forward runs an M-row product of N output columns with, or None for the other kernels
+def pick(M: int, N: int, in_dtype: torch.dtype, out_dtype: torch.dtype, geglu: bool = False,
+         K: int | None = None) -> GemmWSConfig | None:
+    """The config the forward runs an M-row product of N output columns (K deep) with, or None for the other kernels
     (few rows: gemm.SMALL tiles; an fp32 output or N < 64: the scorer's last layer; not Hopper; switched off)."""
     from .gemm import SMALL_M
 
     if M <= SMALL_M or N < 64 or in_dtype != out_dtype or not enabled():
         return None
-    base = TUNED.get(geglu) or (GEGLU if geglu else GEMM)
+    base = TUNED.get((geglu, N, K)) or TUNED.get(geglu) or (GEGLU if geglu else GEMM)
     n = sm_count()
     if base.cluster > 1 and n % base.cluster:   # every block of a persistent cluster launch has its pair
         base = replace(base, cluster=1)

@@ -62,6 +62,10 @@ def test_pick(monkeypatch):
     assert gm.pick(4096, 2624, BF, BF, geglu=True) == replace(gm.GEGLU, cluster=1, stagger=2, persistent=114)
     assert gm.pick(4096, 1024, BF, BF) == replace(gm.GEMM, persistent=114)
     assert gm.pick(4096, 1024, BF, BF).cluster == 2
+    # a per-product winner beats the per-form one, for that product only
+    monkeypatch.setitem(gm.TUNED, (False, 1024, 2624), replace(gm.GEMM, cluster=1))
+    assert gm.pick(4096, 1024, BF, BF, K=2624) == replace(gm.GEMM, cluster=1, persistent=114)
+    assert gm.pick(4096, 1024, BF, BF, K=1024) == gm.pick(4096, 1024, BF, BF) == replace(gm.GEMM, persistent=114)
     monkeypatch.setattr(gm, "sm_count", lambda: 113)   # an odd SM count: not every block would have its pair
     assert gm.pick(4096, 1024, BF, BF) == replace(gm.GEMM, persistent=113, cluster=1)
     monkeypatch.setenv("LAYA_FLEET_MANUAL_GEMM", "0")
