@@ -177,9 +177,12 @@ def section_gemm(res: dict, dims: dict, M: int) -> None:
             except Exception as e:  # a config that does not compile or run is reported, not fatal
                 cands.append({"cfg": cfg.tag(), "error": "%s: %s" % (type(e).__name__, e)})
         ws = GM.pick(M, N, torch.bfloat16, torch.bfloat16, geglu=name == "wi_geglu", K=Kd)
-        # what the forward runs on Hopper for this many rows (kernels/gemm_manual.py), then its alternatives
-        for alt in ([] if ws is None else [ws] + [replace(c, persistent=ws.persistent)
-                                                for c in GM.ALTERNATIVES[name == "wi_geglu"]]):
+        # what the forward runs on Hopper for this many rows (kernels/gemm_manual.py), then the form's default and its
+        # alternatives (each once: every plain config is timed on every plain product)
+        alts = [] if ws is None else [ws] + [replace(c, persistent=ws.persistent) for c in
+                                             ((GM.GEGLU if name == "wi_geglu" else GM.GEMM),)
+                                             + GM.ALTERNATIVES[name == "wi_geglu"]]
+        for alt in list({c.tag(): c for c in alts}.values()):
             tag = "ws:" + alt.tag()
             try:
                 k = GM.gemm_manual_kernel(N, Kd, alt, geglu=name == "wi_geglu")

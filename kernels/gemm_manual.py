@@ -35,13 +35,15 @@ Non-persistent, the C staging tile of consumer g aliases that consumer's A half-
 e.g. 128x256x64 with 4 stages): once the consumer has waited for its last batch, every load into its A
 half-ring has landed and been read, so the memory is free. (`GemmWSConfig.epilogue` picks the variant.)
 
-2-CTA clusters (`cluster=2`, the default since the thirteenth session): the persistent blocks run in pairs on an SM
+2-CTA clusters (`cluster=2`, the default since the thirteenth session for GeGLU and the products of at least
+`CLUSTER_MIN_N` columns; `pick` runs the N = 1024 ones in one block): the persistent blocks run in pairs on an SM
 pair, each pair on two adjacent row blocks of one column block, in step. The first block of a pair issues each W
 tile's TMA load once, multicast into both blocks' shared memory (each block's own `full` barrier counts the bytes);
 a stage is refilled only after the consumer warps of both blocks have released it, so `empty` is a cluster barrier
 that every consumer warp arrives on in both blocks; the blocks meet at a cluster barrier before either exits. The
 weight traffic from L2 halves (a 128 x 256 x 64 stage reads 16 KiB of A and 16 of W a block instead of 16 and 32):
-Wqkv + RoPE 0.644 -> 0.625 ms, GeGLU 1.174 -> 1.150 ms at 65536 rows on the H200, the same bits.
+Wqkv + RoPE 0.644 -> 0.625 ms, GeGLU 1.174 -> 1.150 ms at 65536 rows on the H200, the same bits; Wo and MLP Wo
+(N = 1024, small W tiles that stay in L2) ran 1-6% slower in clusters in three calls of four.
 
 Tried and dropped (thirteenth session): the epilogue on the producer warpgroup's three idle warps, the consumers
 handing a 16-bit tile over through shared memory in two halves and going on to the next tile's products. Three warps
@@ -520,6 +522,10 @@ ALTERNATIVES: dict[bool, tuple[GemmWSConfig, ...]] = {
     False: (replace(GEMM, cluster=1), replace(GEMM, cluster=1, stagger=3)),
     True: (replace(GEGLU, cluster=1),),
 }
+# The clusters pay where the W tiles stream from L2 for every block: GeGLU and the wide plain products (Wqkv and the
+# head's in_proj, N = 3072; its FFN1, 4096). For the N = 1024 products (Wo, MLP Wo, the head's FFN2) the one-block
+# kernel measured 1-6% faster in three of four calls (thirteenth session), so `pick` runs those without clusters.
+CLUSTER_MIN_N = 2048
 # Measured winners that `pick` prefers to the default: per product ((geglu, N, K) -> config), else per form (geglu ->
 # config); bench/fast_path.py fills it in the process it benchmarks, as kernels/gemm.py's TUNED. (Thirteenth
 # session: the clusters won for Wqkv and GeGLU in every call and lost 2-6% for Wo and MLP Wo, N = 1024, in two.)
@@ -546,12 +552,14 @@ def pick(M: int, N: int, in_dtype: torch.dtype, out_dtype: torch.dtype, geglu: b
 
     if M <= SMALL_M or N < 64 or in_dtype != out_dtype or not enabled():
         return None
-    base = TUNED.get((geglu, N, K)) or TUNED.get(geglu) or (GEGLU if geglu else GEMM)
+    base = TUNED.get((geglu, N, K)) or TUNED.get(geglu)
+    if base is None:
+        base = GEGLU if geglu else GEMM if N >= CLUSTER_MIN_N else replace(GEMM, cluster=1)
     n = sm_count()
     if base.cluster > 1 and n % base.cluster:   # every block of a persistent cluster launch has its pair
         base = replace(base, cluster=1)
     return base if base.persistent == n else replace(base, persistent=n)
 
 
-__all__ = ["GemmWSConfig", "GEMM", "GEGLU", "ALTERNATIVES", "TUNED", "build_gemm_manual", "gemm_manual_kernel",
-           "check_config", "enabled", "sm_count", "pick"]
+__all__ = ["GemmWSConfig", "GEMM", "GEGLU", "ALTERNATIVES", "TUNED", "CLUSTER_MIN_N", "build_gemm_manual",
+           "gemm_manual_kernel", "check_config", "enabled", "sm_count", "pick"]

@@ -105,11 +105,12 @@ def sweep_specs(shape: str = "modernbert-large") -> list[tuple[str, tuple]]:
             out.append(("gemm_ws", (N, K, c, False, "none", 0, g, BF)))
             if name == "wqkv":
                 out.append(("gemm_ws", (N, K, c, False, "none", 2 * d, False, BF)))
-    # a timed alternative that wins runs every product of the forward, in the bf16 and the fp16 engine
+    # a timed config (the form's default or an alternative) that wins runs every product of the forward, or the
+    # products it wins, in the bf16 and the fp16 engine
     for g, alts in _gm.ALTERNATIVES.items():
         saved = _gm.TUNED.get(g)
         try:
-            for c in alts:
+            for c in ((_gm.GEGLU if g else _gm.GEMM),) + alts:
                 _gm.TUNED[g] = c
                 for dt in (BF, torch.float16):
                     out += [sp for sp in kernel_specs(**dims, dtype=dt) if sp[0] == "gemm_ws"]

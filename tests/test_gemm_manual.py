@@ -52,22 +52,27 @@ def test_pick(monkeypatch):
     monkeypatch.delenv("LAYA_FLEET_MANUAL_GEMM", raising=False)
     monkeypatch.setattr(gm, "sm_count", lambda: 132)
     assert gm.pick(gemm.SMALL_M + 1, 3072, BF, BF) == gm.GEMM
+    # no clusters for the N = 1024 products (measured 1-6% faster in one block)
+    assert gm.pick(gemm.SMALL_M + 1, 1024, BF, BF, K=2624) == replace(gm.GEMM, cluster=1)
     assert gm.pick(65536, 2624, F16, F16, geglu=True) == gm.GEGLU
     assert gm.pick(gemm.SMALL_M, 3072, BF, BF) is None
     assert gm.pick(4096, 16, BF, torch.float32) is None
     monkeypatch.setattr(gm, "sm_count", lambda: 114)   # an H100 PCIe: one block per SM there
-    assert gm.pick(4096, 1024, BF, BF).persistent == 114
+    assert gm.pick(4096, 3072, BF, BF).persistent == 114
     # a measured winner (bench/fast_path.py)
     monkeypatch.setitem(gm.TUNED, True, replace(gm.GEGLU, cluster=1, stagger=2))
     assert gm.pick(4096, 2624, BF, BF, geglu=True) == replace(gm.GEGLU, cluster=1, stagger=2, persistent=114)
-    assert gm.pick(4096, 1024, BF, BF) == replace(gm.GEMM, persistent=114)
-    assert gm.pick(4096, 1024, BF, BF).cluster == 2
-    # a per-product winner beats the per-form one, for that product only
-    monkeypatch.setitem(gm.TUNED, (False, 1024, 2624), replace(gm.GEMM, cluster=1))
-    assert gm.pick(4096, 1024, BF, BF, K=2624) == replace(gm.GEMM, cluster=1, persistent=114)
-    assert gm.pick(4096, 1024, BF, BF, K=1024) == gm.pick(4096, 1024, BF, BF) == replace(gm.GEMM, persistent=114)
+    assert gm.pick(4096, 3072, BF, BF) == replace(gm.GEMM, persistent=114)
+    # a per-product winner beats the default (and a per-form winner), for that product only
+    monkeypatch.setitem(gm.TUNED, (False, 1024, 2624), gm.GEMM)
+    assert gm.pick(4096, 1024, BF, BF, K=2624) == replace(gm.GEMM, persistent=114)
+    assert gm.pick(4096, 1024, BF, BF, K=1024) == replace(gm.GEMM, cluster=1, persistent=114)
+    monkeypatch.setitem(gm.TUNED, False, replace(gm.GEMM, cluster=1, stagger=3))
+    assert gm.pick(4096, 1024, BF, BF, K=1024) == replace(gm.GEMM, cluster=1, stagger=3, persistent=114)
+    assert gm.pick(4096, 1024, BF, BF, K=2624) == replace(gm.GEMM, persistent=114)
+    monkeypatch.delitem(gm.TUNED, False)
     monkeypatch.setattr(gm, "sm_count", lambda: 113)   # an odd SM count: not every block would have its pair
-    assert gm.pick(4096, 1024, BF, BF) == replace(gm.GEMM, persistent=113, cluster=1)
+    assert gm.pick(4096, 3072, BF, BF) == replace(gm.GEMM, persistent=113, cluster=1)
     monkeypatch.setenv("LAYA_FLEET_MANUAL_GEMM", "0")
     assert gm.pick(4096, 1024, BF, BF) is None
     monkeypatch.setenv("LAYA_FLEET_MANUAL_GEMM", "1")
