@@ -513,8 +513,9 @@ def gemm_manual_kernel(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias:
 # both wait for each k-step's batch (inflight=0: as fast or 1-3% faster than one batch in flight on the H200).
 # Twelfth session (H200, bench/fast_path.py): Wqkv + RoPE 0.650 ms in registers against 0.672 through shared memory;
 # GeGLU joint 590-617 TF/s against 573-602 for two n=128 products. Thirteenth: the clusters took Wqkv + RoPE from
-# 0.644 to 0.625 ms and GeGLU from 1.174 to 1.150 ms (the other products within 1%), and the offline forward from
-# 649k to 660k tokens/s. Staggered consumers measured -2% to +3% per shape across two runs: an alternative only.
+# 0.644 to 0.625 ms and GeGLU from 1.174 to 1.150 ms, and the offline forward from 649k to 660k tokens/s (the
+# N = 1024 products run in one block: CLUSTER_MIN_N). Staggered consumers measured -2% to +3% per shape across two
+# runs: an alternative only.
 GEMM = GemmWSConfig(bm=128, bn=256, bk=64, stages=4, persistent=132, inflight=0, rope_regs=True, cluster=2)
 GEGLU = GemmWSConfig(bm=128, bn=128, bk=64, stages=4, persistent=132, inflight=0, joint=True, cluster=2)
 # Other configs bench/fast_path.py times beside the defaults (keyed by geglu) and runs when faster
@@ -524,11 +525,11 @@ ALTERNATIVES: dict[bool, tuple[GemmWSConfig, ...]] = {
 }
 # The clusters pay where the W tiles stream from L2 for every block: GeGLU and the wide plain products (Wqkv and the
 # head's in_proj, N = 3072; its FFN1, 4096). For the N = 1024 products (Wo, MLP Wo, the head's FFN2) the one-block
-# kernel measured 1-6% faster in three of four calls (thirteenth session), so `pick` runs those without clusters.
+# kernel measured 1-6% faster in three calls of four and equal in the fourth (thirteenth session), so `pick` runs
+# those without clusters.
 CLUSTER_MIN_N = 2048
 # Measured winners that `pick` prefers to the default: per product ((geglu, N, K) -> config), else per form (geglu ->
-# config); bench/fast_path.py fills it in the process it benchmarks, as kernels/gemm.py's TUNED. (Thirteenth
-# session: the clusters won for Wqkv and GeGLU in every call and lost 2-6% for Wo and MLP Wo, N = 1024, in two.)
+# config); bench/fast_path.py fills it in the process it benchmarks, as kernels/gemm.py's TUNED
 TUNED: dict = {}
 
 

@@ -167,7 +167,6 @@ def manual_test_specs() -> list[tuple[str, tuple]]:
             for c in (_gm.GEMM, replace(_gm.GEMM, cluster=1, stagger=2), replace(_gm.GEMM, rope_regs=False),
                       replace(_gm.GEMM, cluster=1))]
     out += [("gemm_ws", (2624, 1024, c, False, "none", 0, True, BF)) for c in GEGLU_TEST_CFGS]
-
     out += [("gemm_ws", (1024, 1024, _gm.GEMM, True, "none", 0, False, torch.float16))]
     out += [("gemm_ws", (2624, 1024, c, False, "none", 0, True, torch.float16))
             for c in (_gm.GEGLU, replace(_gm.GEGLU, joint=False), replace(_gm.GEGLU, cluster=1))]
