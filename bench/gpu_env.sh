@@ -14,4 +14,5 @@ _P=$(python3 -c "import sys; print(sys.executable)")
 _shim() { printf '#!%s\nimport sys\nfrom %s import %s\nsys.exit(%s())\n' "$_P" "$2" "$3" "$3" > "$(dirname "$_P")/$1" \
   && chmod +x "$(dirname "$_P")/$1"; }
 _shim serve ray.serve.scripts cli; _shim ray ray.scripts.scripts main; _shim laya-serve laya.serve main
+_shim laya-fleet-haproxy serve_app.haproxy main
 echo "site: $(ls /tmp/site | tr '\n' ' ' | head -c 300)"

@@ -38,6 +38,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.dirname(sys.executable)
 QUESTIONS = json.load(open(os.path.join(REPO, "configs", "example_questions.json"), encoding="utf-8"))
 UPSTREAM_MODEL = "bench"
+# a client that gets 503 / 429 waits Retry-After seconds (capped here) before its next request, as HTTP clients
+# with backoff do; 0 = retry at once (--no-retry-after)
+RETRY_AFTER_CAP_S = 2.0
+
+
+def retry_after_cap() -> float:
+    """RETRY_AFTER_CAP_S, or 0 under --no-retry-after (which the spawned client processes see in their env)."""
+    return float(os.environ.get("LAYA_FLEET_BENCH_RETRY_AFTER_CAP_S", RETRY_AFTER_CAP_S))
 _OPENERS = ["Hi,", "Hello team,", "Dear support,", "URGENT:", "Quick question:", "Thanks for the help.", "Ugh."]
 _TOPICS = ["my order #%d arrived broken", "the invoice for order #%d is wrong", "I was charged twice for #%d",
            "my password reset link for account %d does not work", "the delivery of #%d is three weeks late",
@@ -132,7 +140,7 @@ class FleetServer(Server):
     name = "laya-fleet"
 
     def __init__(self, config: dict | str, log_path: str, ready_timeout: float = 900.0, address: str | None = None,
-                 direct: bool = False, extra_env: dict | None = None):
+                 direct: bool = False, extra_env: dict | None = None, haproxy: bool = False):
         super().__init__(log_path)
         self._tmp = None
         if isinstance(config, str):  # a config file, run as is
@@ -148,6 +156,8 @@ class FleetServer(Server):
         # Ray, never a cluster some earlier `ray start` left recorded in /tmp/ray
         address = address or os.environ.get("RAY_ADDRESS") or "local"
         env = None
+        self.balanced = haproxy  # clients go to the HTTP port (HAProxy); replicas' own ports only for /stats
+        direct = direct or haproxy
         if direct:  # every Ingress replica also serves HTTP on its own port (serve_app/direct_ingress.py)
             if address != "local":
                 raise ValueError("direct ingress is set when Ray starts: only with serve run's own local Ray")
@@ -158,6 +168,10 @@ class FleetServer(Server):
                        RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S="1",
                        RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT=str(lo),
                        RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT=str(lo + 49))
+        if haproxy:  # Ray's HAProxy ingress on the HTTP port, as configs/prod.yaml's header says to start it
+            env.update(RAY_SERVE_ENABLE_HA_PROXY="1",
+                       RAY_SERVE_HAPROXY_BINARY_PATH=os.path.join(BIN, "laya-fleet-haproxy"),
+                       RAY_SERVE_HAPROXY_STATS_PORT=str(free_port()), RAY_SERVE_HAPROXY_METRICS_PORT=str(free_port()))
         if extra_env:
             env = dict(env or os.environ, **extra_env)
         self._spawn([os.path.join(BIN, "serve"), "run", "--address", address, path], env)
@@ -293,10 +307,13 @@ def fleet_config(checkpoint: str, backend: str, device: str, port: int, replicas
     return cfg
 
 
-def shipped_config(path: str, checkpoint: str, backend: str, device: str, port: int, scratch: str) -> tuple[dict, dict]:
-    """A config file as shipped (e.g. configs/prod-fused.yaml), with only what must change on this machine:
-    the checkpoint, backend and device, a free loopback port, the cache dirs under `scratch`, and a random
-    bearer key in the variable its `api_key_env` names. Returns (config, extra env for `serve run`)."""
+def shipped_config(path: str, checkpoint: str, backend: str, device: str, port: int, scratch: str,
+                   replicas_per_gpu: int | None = None) -> tuple[dict, dict]:
+    """A config file as shipped (configs/prod.yaml), with only what must change on this machine: the checkpoint,
+    backend and device, a free loopback port, the cache dirs under `scratch` (the node-local one from
+    $LAYA_FLEET_LOCAL_CACHE_DIR when set: a precompiled kernel cache), and a random bearer key in the variable its
+    `api_key_env` names. `replicas_per_gpu` makes a variant that is not the file as shipped: a fused config's
+    replica count per GPU (num_gpus 1/K, replica bounds K per GPU). Returns (config, extra env for `serve run`)."""
     import secrets
 
     with open(path, encoding="utf-8") as fh:
@@ -309,7 +326,17 @@ def shipped_config(path: str, checkpoint: str, backend: str, device: str, port: 
         vars_ = app.setdefault("runtime_env", {}).setdefault("env_vars", {})
         for k in ("LAYA_FLEET_CACHE_DIR", "LAYA_FLEET_LOCAL_CACHE_DIR"):
             if k in vars_:
-                vars_[k] = os.path.join(scratch, k.lower())
+                vars_[k] = os.environ.get(k) or os.path.join(scratch, k.lower())
+        if replicas_per_gpu:
+            sc = args.setdefault("scorer", {})
+            old = max(1, round(1 / float(sc.get("num_gpus", 1) or 1)))
+            sc["num_gpus"] = round(1.0 / replicas_per_gpu - 5e-5, 4)
+            for d in app.get("deployments", []):
+                auto = d.get("autoscaling_config")
+                if isinstance(auto, dict):
+                    for key in ("min_replicas", "max_replicas", "initial_replicas"):
+                        if isinstance(auto.get(key), int):
+                            auto[key] = auto[key] // old * replicas_per_gpu
         if args.get("api_key_env"):
             env[args["api_key_env"]] = secrets.token_hex(16)
     return cfg, env
@@ -352,17 +379,26 @@ async def _clients(url: str | list[str], bodies: list[bytes], clients: int, t_me
             body = bodies[(next(counter) + i) % len(bodies)]
             t = time.monotonic()
             infer = float("nan")
+            retry_after = 0.0
             try:
                 async with session.post(url, data=body, headers=hdrs) as r:
                     await r.read()
                     status = r.status
                     if "X-Inference-Time-Ms" in r.headers:  # laya-fleet: the ingress's wait for its scorer call
                         infer = float(r.headers["X-Inference-Time-Ms"]) / 1000.0
-            except (aiohttp.ClientError, asyncio.TimeoutError):
+                    cap = retry_after_cap()
+                    if status in (429, 503) and cap > 0:
+                        try:
+                            retry_after = min(float(r.headers.get("Retry-After", 0)), cap)
+                        except ValueError:
+                            retry_after = 0.0
+            except (TimeoutError, aiohttp.ClientError):
                 status = -1
             done = time.monotonic()
             if t >= t_measure:
                 records.append((done, status, done - t, infer))
+            if retry_after > 0:  # a well-behaved client waits as told before its next request
+                await asyncio.sleep(retry_after)
 
     conn = aiohttp.TCPConnector(limit=clients, limit_per_host=clients)
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=timeout)) as session:
@@ -412,6 +448,28 @@ def load_level(url: str | list[str], payloads: list[dict], clients: int, duratio
 
 # -- where the CPU goes -------------------------------------------------------------------------------
 
+class GpuBusy:
+    """Mean GPU utilisation (%, nvidia-smi's, every GPU averaged) while the `with` block runs; None without one."""
+
+    def __enter__(self):
+        import shutil
+
+        self.busy_pct, self._proc = None, None
+        if shutil.which("nvidia-smi"):
+            self._proc = subprocess.Popen(["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits",
+                                           "-lms", "250"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        return self
+
+    def __exit__(self, *exc):
+        if self._proc is None:
+            return
+        self._proc.terminate()
+        out, _ = self._proc.communicate(timeout=10)
+        vals = [float(v) for v in out.split() if v.replace(".", "", 1).isdigit()]
+        if vals:
+            self.busy_pct = round(sum(vals) / len(vals), 1)
+
+
 SERVE_PROCS = {"proxy": "ray::ProxyActor", "ingress": "ray::ServeReplica:laya:Ingress",
                "scorer": "ray::ServeReplica:laya:Scorer"}
 
@@ -430,6 +488,8 @@ def serve_pids() -> dict[str, list[int]]:
         for k, prefix in SERVE_PROCS.items():
             if cmd.startswith(prefix):
                 out[k].append(int(pid))
+        if os.path.basename(cmd) == "haproxy":
+            out.setdefault("haproxy", []).append(int(pid))
     return out
 
 
@@ -572,15 +632,19 @@ def run_server(server: Server, payloads: list[dict], levels: list[int], duration
             return fused_stats(urls, hdr)
     else:
         stats = scorer_stats
-    url = [u + "/v1/systemone" for u in urls] if urls else server.url + "/v1/systemone"
+    balanced = getattr(server, "balanced", False)
+    url = [u + "/v1/systemone" for u in urls] if urls and not balanced else server.url + "/v1/systemone"
     rows = []
     pids = serve_pids() if cpu else {}
     for n in levels:
         procs = 1 if n < 32 else client_procs
         s0 = stats(server.url, headers)
         t0, c0 = time.monotonic(), cpu_seconds(pids)
-        row = load_level(url, payloads, n, duration, warmup, headers, procs)
+        with GpuBusy() as gpu:
+            row = load_level(url, payloads, n, duration, warmup, headers, procs)
         took = time.monotonic() - t0
+        if gpu.busy_pct is not None:
+            row["gpu_busy_pct"] = gpu.busy_pct
         if pids:
             row["cpu_cores"] = cpu_share(pids, c0, cpu_seconds(pids), took)
         scorer = batching_delta(s0, stats(server.url, headers), took)
@@ -596,6 +660,8 @@ def print_row(name: str, r: dict) -> None:
     """One table row on stdout."""
     err = ",".join("%s:%d" % kv for kv in sorted(r["errors"].items())) or "-"
     cpu = " ".join("%s=%.2f" % kv for kv in r.get("cpu_cores", {}).items())
+    if "gpu_busy_pct" in r:
+        cpu += "  gpu %.0f%%" % r["gpu_busy_pct"]
     sc = r.get("scorer")
     if sc:
         cpu += "  batch: %.1f req, forward %.2f ms (model %.2f), busy %.0f%%%s, queue %.1f ms" % (
@@ -645,7 +711,10 @@ def environment(checkpoint: str | None, backend: str) -> dict:
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return {"host": platform.node(), "cpus": os.cpu_count(), "torch": torch.__version__, "ray": ray.__version__,
             "gpu": gpu, "gpus": torch.cuda.device_count(), "checkpoint": checkpoint, "backend": backend,
-            "request": "1 state x 3 questions (configs/example_questions.json)", "time": time.strftime("%FT%T%z")}
+            "request": "1 state x 3 questions (configs/example_questions.json)", "time": time.strftime("%FT%T%z"),
+            # LAYA_FLEET_COMMIT first: the GPU machine's copy of the checkout can carry stale git metadata
+            "commit": os.environ.get("LAYA_FLEET_COMMIT") or subprocess.run(
+                ["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()}
 
 
 # --ingress-mode: the environment each mode adds to `serve run` (Ray hands it to every replica of a local Ray).
@@ -692,6 +761,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="run this Serve config file as shipped (e.g. configs/prod-fused.yaml) instead of the topology "
                         "built from configs/local.yaml: only checkpoint, backend, device, port, cache dirs and the "
                         "bearer key are set for this machine; --topology, --replicas and the like are ignored")
+    p.add_argument("--haproxy", default="auto", choices=("auto", "on", "off"),
+                   help="with --config: start Ray with HAProxy ingress (RAY_SERVE_ENABLE_HA_PROXY=1 and the "
+                        "laya-fleet-haproxy launcher) and send the load to its port; auto = when the config's args "
+                        "say `haproxy: true`")
+    p.add_argument("--config-replicas-per-gpu", default=None,
+                   help="with --config: also run variants of the file with K fused replicas per GPU (a list; "
+                        "labelled 'not as shipped'), after the file as shipped")
+    p.add_argument("--no-retry-after", action="store_true",
+                   help="clients retry a 503 at once instead of waiting its Retry-After (capped at %gs)"
+                        % RETRY_AFTER_CAP_S)
     p.add_argument("--topology", default="split",
                    help="split (CPU ingress replicas -> GPU scorer replicas), fused (one deployment whose replicas "
                         "hold the scorer: no process hop; serve_app.app.fused_config), or split,fused")
@@ -705,7 +784,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-batch-tokens", type=int, default=None, help="default: 8192 on CPU, measured on GPU")
     p.add_argument("--compare-upstream", action="store_true", help="also run upstream laya-serve (after ours)")
     p.add_argument("--upstream-only", action="store_true", help="run only upstream laya-serve")
-    p.add_argument("--levels", default="1,2,4,8,16,32,64,128,256")
+    p.add_argument("--levels", default="1,2,4,8,16,32,64,128,256,512")
     p.add_argument("--duration", type=float, default=20.0, help="measured seconds per level")
     p.add_argument("--warmup", type=float, default=3.0, help="unmeasured seconds before each level")
     p.add_argument("--api-key-env", default=None, help="env var holding a bearer key for --url")
@@ -716,6 +795,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     levels = [int(x) for x in args.levels.split(",") if x.strip()]
+    if args.no_retry_after:  # the spawned client processes read it from the environment
+        os.environ["LAYA_FLEET_BENCH_RETRY_AFTER_CAP_S"] = "0"
     payloads = make_payloads()
     headers = {"Authorization": "Bearer " + os.environ[args.api_key_env]} if args.api_key_env else None
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
@@ -802,22 +883,29 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             if cluster:
                 cluster.stop()
-    if args.config and not args.url and not args.upstream_only:
-        for mode in modes:
-            cfg, key_env = shipped_config(args.config, args.checkpoint, args.backend, args.device, free_port(),
-                                          os.path.dirname(logs))
-            apply_mode(cfg, mode)
-            direct = mode != "proxy" or any(
-                (a.get("runtime_env") or {}).get("env_vars", {}).get("RAY_SERVE_ENABLE_DIRECT_INGRESS") == "1"
-                for a in cfg["applications"])
-            fused = cfg["applications"][0].get("args", {}).get("topology") == "fused"
-            hdr = {"Authorization": "Bearer " + next(iter(key_env.values()))} if key_env else None
-            with FleetServer(cfg, logs + ".config.log", direct=direct, extra_env=dict(MODES[mode], **key_env)) as srv:
-                srv.name = "laya-fleet (%s%s)" % (os.path.basename(args.config), ", direct ingress" if direct else "")
-                startup[srv.name] = round(srv.ready_s, 1)
-                answers[srv.name] = sample_answers((srv.urls or [srv.url])[0] + "/v1/systemone", payloads[:16], hdr)
-                results[srv.name] = run_server(srv, payloads, levels, args.duration, args.warmup, hdr, procs,
-                                               cpu=True, fused=fused)
+    variants = [None] + [int(k) for k in (args.config_replicas_per_gpu or "").split(",") if k.strip()]
+    config_runs = [(m, v) for v in variants for m in modes] if args.config and not (args.url or args.upstream_only) \
+        else []
+    for mode, rpg in config_runs:
+        cfg, key_env = shipped_config(args.config, args.checkpoint, args.backend, args.device, free_port(),
+                                      os.path.dirname(logs), rpg)
+        apply_mode(cfg, mode)
+        app_args = cfg["applications"][0].get("args", {})
+        haproxy = {"auto": bool(app_args.get("haproxy")), "on": True, "off": False}[args.haproxy]
+        direct = mode != "proxy" or haproxy or any(
+            (a.get("runtime_env") or {}).get("env_vars", {}).get("RAY_SERVE_ENABLE_DIRECT_INGRESS") == "1"
+            for a in cfg["applications"])
+        fused = app_args.get("topology") == "fused"
+        hdr = {"Authorization": "Bearer " + next(iter(key_env.values()))} if key_env else None
+        with FleetServer(cfg, logs + ".config%s.log" % (rpg or ""), direct=direct, haproxy=haproxy,
+                         extra_env=dict(MODES[mode], **key_env)) as srv:
+            srv.name = "laya-fleet (%s%s%s)" % (
+                os.path.basename(args.config), ", HAProxy" if haproxy else ", direct ingress" if direct else "",
+                ", %d per GPU (not as shipped)" % rpg if rpg else "")
+            startup[srv.name] = round(srv.ready_s, 1)
+            answers[srv.name] = sample_answers(srv.url + "/v1/systemone", payloads[:16], hdr)
+            results[srv.name] = run_server(srv, payloads, levels, args.duration, args.warmup, hdr, procs,
+                                           cpu=True, fused=fused)
     if args.url and not args.upstream_only:
         srv = Server("")
         srv.name, srv.url = "laya-fleet", args.url.rstrip("/")

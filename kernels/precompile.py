@@ -181,6 +181,9 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep", action="store_true", help="also the GEMM sweep candidates")
     ap.add_argument("--workers", type=int, default=None)
     ap.add_argument("--fp16", action="store_true", help="also the shapes' fp16 kernels (act_dtype=torch.float16)")
+    ap.add_argument("--pack", metavar="FILE.tar.xz", default=None,
+                    help="then pack the node-local TileLang cache into FILE (what bench/gpu_env.sh unpacks into "
+                         "$LAYA_FLEET_LOCAL_CACHE_DIR on a GPU host, so it compiles nothing)")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
     specs = []
@@ -196,7 +199,24 @@ def main(argv=None) -> int:
     t = time.perf_counter()
     compile_specs(specs, a.workers)
     print("%d kernels ready in %.1fs" % (len(specs), time.perf_counter() - t))
+    if a.pack:
+        print("packed %s (%.1f MB)" % (a.pack, pack_cache(a.pack) / 1e6))
     return 0
+
+
+def pack_cache(path: str) -> int:
+    """Write the node-local TileLang kernel cache (`tilelang/` under the local cache root) to `path` as tar.xz;
+    returns its size in bytes."""
+    import os
+    import tarfile
+
+    from model.cache import local_dir
+
+    src = local_dir("tilelang")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with tarfile.open(path, "w:xz") as tar:
+        tar.add(src, arcname="tilelang")
+    return os.path.getsize(path)
 
 
 if __name__ == "__main__":

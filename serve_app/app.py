@@ -23,6 +23,8 @@ from .scorer_deployment import BatchingPolicy, ScorerDeployment
 
 log = logging.getLogger(__name__)
 
+HAPROXY_ENV = "RAY_SERVE_ENABLE_HA_PROXY"
+
 
 class ScorerOptions(BaseModel):
     """Resources and threads of each scorer replica (one replica per GPU in production)."""
@@ -71,6 +73,10 @@ class AppArgs(BaseModel):
     ingress: IngressOptions = Field(default_factory=IngressOptions)
     backend_wrapper: str | None = Field(None, description="'module:callable' wrapping the scorer's backend "
                                                           "(fault injection in tests, instrumentation)")
+    haproxy: bool = Field(
+        False, description="the cluster is expected to run Ray's HAProxy ingress (RAY_SERVE_ENABLE_HA_PROXY=1 in "
+                           "its environment); when it does not, the app still serves through Serve's proxy and "
+                           "the builder logs one warning")
     topology: Literal["split", "fused"] = Field(
         "split", description="split: CPU ingress replicas call GPU scorer replicas through a DeploymentHandle; "
                              "fused: one deployment ('Ingress') whose replicas hold the scorer (one per GPU, "
@@ -92,6 +98,11 @@ def build_app(args: AppArgs) -> Application:
     if isinstance(args, dict):  # called directly rather than through Serve's builder machinery
         args = AppArgs.model_validate(args)
     checkpoint = _checkpoint_path(args.checkpoint)
+    if args.haproxy and os.environ.get(HAPROXY_ENV) != "1":
+        log.warning("this app expects Ray's HAProxy ingress, but %s=1 is not in the cluster's environment: it "
+                    "serves through Serve's Python proxy on the HTTP port, at a fraction of the throughput. Start "
+                    "Ray (ray start / serve run / the pod spec) with %s=1 and RAY_SERVE_HAPROXY_BINARY_PATH set to "
+                    "laya-fleet-haproxy (docs/serving.md, Production)", HAPROXY_ENV, HAPROXY_ENV)
     actor = {"num_cpus": args.scorer.num_cpus, "num_gpus": args.scorer.num_gpus}
     if args.scorer.memory:
         actor["memory"] = args.scorer.memory

@@ -148,7 +148,7 @@ class TokenBatcher:
                 self._arrived.clear()
                 try:
                     await asyncio.wait_for(self._arrived.wait(), left)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     break
             batch, _ = self._take()
             if batch:

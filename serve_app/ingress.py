@@ -265,7 +265,7 @@ class Ingress:
 
         try:
             raw = await asyncio.wait_for(collect(), self.limits.body_read_timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise HTTPError(408, "request body was not received in time") from None
         try:
             if len(raw) > 64 * 1024:  # a multi-MiB parse would stall every other request on this loop
@@ -309,7 +309,7 @@ class Ingress:
             except DeploymentUnavailableError:
                 raise HTTPError(503, "scorer unavailable, try again later",
                                 {"Retry-After": str(RETRY_AFTER_S)}) from None
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 resp.cancel()
                 raise HTTPError(504, "scoring timed out") from None
             except (ActorDiedError, ActorUnavailableError) as e:
@@ -522,6 +522,21 @@ class FusedIngress(Ingress.func_or_class):
 
         self._local = ScorerDeployment.func_or_class(**scorer_kwargs)
         await super().__init__(LocalScorer(self._local), checkpoint, **ingress_kwargs)
+
+    async def _score(self, rows: list) -> tuple:
+        """The in-process scorer's (logits, act) for one request's rows: straight into its token batcher, which
+        batches concurrent requests itself (no call slots to share: nothing crosses a process here)."""
+        try:
+            async with asyncio.timeout(self.limits.scorer_timeout_s):
+                out = await self._local.score(rows)
+        except TimeoutError:
+            raise HTTPError(504, "scoring timed out") from None
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - this request failed in its batch (the scorer logged why)
+            raise HTTPError(500, "inference failed") from None
+        self._last_score_ok = time.monotonic()
+        return out
 
     def reconfigure(self, user_config: dict | None) -> None:
         """The scorer's batching policy, applied live (see `ScorerDeployment.reconfigure`)."""

@@ -1,6 +1,8 @@
-"""configs/local.yaml and configs/prod.yaml parse as Serve configs and as our builder's typed args."""
+"""configs/local.yaml and configs/prod.yaml parse as Serve configs and as our builder's typed args; fused_config."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 from pydantic import ValidationError
@@ -9,40 +11,86 @@ from ray.serve.schema import ServeDeploySchema
 from serve_app.app import AppArgs, build_app
 from serve_app.scorer_deployment import BatchingPolicy
 
-from .serve_helpers import deployment, load_config
+from .serve_helpers import REPO, deployment, load_config
 
 
-@pytest.mark.parametrize("name", ["local.yaml", "prod.yaml"])
-def test_config_parses_as_serve_schema_and_typed_args(name):
-    cfg = load_config(name)
+def _check_common(cfg: dict) -> tuple[dict, AppArgs]:
     ServeDeploySchema.model_validate(cfg)
     (app,) = cfg["applications"]
     assert app["import_path"] == "serve_app.app:build_app"
     args = AppArgs.model_validate(app["args"])
-    scorer, ingress = deployment(app, "Scorer"), deployment(app, "Ingress")
-    BatchingPolicy.model_validate(scorer["user_config"])
-    for d in (scorer, ingress):
+    for d in app["deployments"]:
         assert "ray_actor_options" not in d  # resources come from args (Serve would replace them whole)
-        assert 0 < d["max_queued_requests"] and d["max_ongoing_requests"] >= 256
-    assert ingress["backpressure_config"]["retry_after_s"] >= 1
-    # both run Serve's faster request path (gRPC between deployments, no thread hops; docs/serving.md), so the
-    # suite, which deploys local.yaml, exercises what prod runs
+    # Serve's request path (user code and router on the replica's loop, gRPC handle calls; docs/serving.md), so
+    # the suite, which deploys local.yaml, exercises what prod runs
     env = app["runtime_env"]["env_vars"]
     assert {k: env.get(k) for k in ("RAY_SERVE_USE_GRPC_BY_DEFAULT", "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD",
                                     "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP")} == {
         "RAY_SERVE_USE_GRPC_BY_DEFAULT": "1", "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
         "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
-    if name == "local.yaml":
-        assert cfg["http_options"]["host"] == "127.0.0.1" and args.checkpoint == "checkpoints/tiny"
-        assert args.scorer.num_gpus == 0 and args.device == "cpu" and args.api_key_env is None
-        assert args.scorer.num_cpus + args.ingress.num_cpus <= 2  # schedules on a 2-core laptop
-    else:
-        assert args.scorer.num_gpus == 1 and args.device == "auto" and args.api_key_env == "LAYA_FLEET_API_KEY"
-        auto = scorer["autoscaling_config"]
-        assert auto["min_replicas"] == 1 and auto["max_replicas"] >= 1 and auto["target_ongoing_requests"] > 0
-        assert auto["upscale_delay_s"] > 0 and auto["downscale_delay_s"] > auto["upscale_delay_s"]
-        assert "autoscaling_config" in ingress and "num_replicas" not in scorer
-        assert app["runtime_env"]["env_vars"]["LAYA_FLEET_CACHE_DIR"] and args.cache_dir is None
+    # HAProxy belongs to the cluster's environment: in an app's runtime_env it would reach the replicas only
+    assert not any(k.startswith("RAY_SERVE_ENABLE_HA_PROXY") or k.startswith("RAY_SERVE_HAPROXY") for k in env)
+    return app, args
+
+
+def test_local_yaml_is_the_split_laptop_default():
+    app, args = _check_common(load_config("local.yaml"))
+    cfg = load_config("local.yaml")
+    scorer, ingress = deployment(app, "Scorer"), deployment(app, "Ingress")
+    BatchingPolicy.model_validate(scorer["user_config"])
+    for d in (scorer, ingress):
+        assert 0 < d["max_queued_requests"] and d["max_ongoing_requests"] >= 256
+    assert ingress["backpressure_config"]["retry_after_s"] >= 1
+    assert cfg["http_options"]["host"] == "127.0.0.1" and args.checkpoint == "checkpoints/tiny"
+    assert args.topology == "split" and not args.haproxy
+    assert args.scorer.num_gpus == 0 and args.device == "cpu" and args.api_key_env is None
+    assert args.scorer.num_cpus + args.ingress.num_cpus <= 2  # schedules on a 2-core laptop
+
+
+def test_prod_yaml_is_fused_three_per_gpu_behind_haproxy_with_bounded_admission():
+    cfg = load_config("prod.yaml")
+    app, args = _check_common(cfg)
+    (ingress,) = app["deployments"]
+    assert ingress["name"] == "Ingress" and args.topology == "fused" and args.haproxy
+    BatchingPolicy.model_validate(ingress["user_config"])
+    per_gpu = round(1 / args.scorer.num_gpus)
+    assert per_gpu == 3 and per_gpu * args.scorer.num_gpus <= 1.0  # three replicas fit on each GPU
+    assert args.scorer.gil_switch_interval_s and args.device == "auto" and args.backend == "auto"
+    assert args.api_key_env == "LAYA_FLEET_API_KEY" and not args.docs
+    # admission: a replica takes a bounded number of requests and refuses the rest at once with Retry-After
+    admitted = ingress["max_ongoing_requests"] + ingress["max_queued_requests"]
+    assert 16 <= ingress["max_ongoing_requests"] and admitted <= 128
+    assert ingress["backpressure_config"] == {"status_code": 503, "retry_after_s": 1}
+    auto = ingress["autoscaling_config"]
+    assert auto["min_replicas"] == per_gpu and auto["max_replicas"] % per_gpu == 0
+    # the autoscaling target is reachable under the admission bound (a target above it would never scale up)
+    assert 0 < auto["target_ongoing_requests"] < ingress["max_ongoing_requests"]
+    assert auto["policy"]["policy_function"] == "serve_app.autoscale:pending_requests_policy"
+    assert auto["upscale_delay_s"] > 0 and auto["downscale_delay_s"] > auto["upscale_delay_s"]
+    assert cfg["http_options"]["port"] == 8000 and cfg["proxy_location"] == "EveryNode"
+    assert app["runtime_env"]["env_vars"]["LAYA_FLEET_CACHE_DIR"] and args.cache_dir is None
+    # the header says how to start the cluster: the variables and the launcher pyproject installs
+    with open(os.path.join(REPO, "configs", "prod.yaml"), encoding="utf-8") as fh:
+        header = fh.read().split("proxy_location")[0]
+    assert "RAY_SERVE_ENABLE_HA_PROXY=1" in header and "RAY_SERVE_HAPROXY_BINARY_PATH" in header
+    with open(os.path.join(REPO, "pyproject.toml"), encoding="utf-8") as fh:
+        assert 'laya-fleet-haproxy = "serve_app.haproxy:main"' in fh.read()
+
+
+def test_builder_warns_once_when_the_app_expects_haproxy_and_the_cluster_lacks_it(monkeypatch, caplog):
+    import logging
+
+    monkeypatch.delenv("RAY_SERVE_ENABLE_HA_PROXY", raising=False)
+    with caplog.at_level(logging.WARNING, logger="serve_app.app"):
+        build_app({"checkpoint": "/nonexistent/ckpt", "haproxy": True, "topology": "fused"})
+    warned = [r for r in caplog.records if "HAProxy" in r.getMessage()]
+    assert len(warned) == 1 and "RAY_SERVE_ENABLE_HA_PROXY=1" in warned[0].getMessage()
+    caplog.clear()
+    monkeypatch.setenv("RAY_SERVE_ENABLE_HA_PROXY", "1")
+    with caplog.at_level(logging.WARNING, logger="serve_app.app"):
+        build_app({"checkpoint": "/nonexistent/ckpt", "haproxy": True, "topology": "fused"})
+        build_app({"checkpoint": "/nonexistent/ckpt"})
+    assert not [r for r in caplog.records if "HAProxy" in r.getMessage()]
 
 
 def test_builder_rejects_unknown_or_invalid_args():
@@ -58,17 +106,37 @@ def test_builder_rejects_unknown_or_invalid_args():
             AppArgs.model_validate(dict(bad, checkpoint="x"))
     ok = AppArgs.model_validate({"checkpoint": "x", "scorer": {"gil_switch_interval_s": 0.0005}})
     assert ok.scorer.gil_switch_interval_s == 0.0005 and ok.ingress.max_inflight_calls == 4
+    from ray.serve import Application
+
     app = build_app({"checkpoint": "/nonexistent/ckpt", "scorer": {"num_gpus": 1}})
-    assert type(app).__name__ == "Application"
+    assert isinstance(app, Application)
+    assert app._bound_deployment.name == "Ingress"  # the split app: the ingress bound to a scorer handle
+    fused = build_app({"checkpoint": "/nonexistent/ckpt", "topology": "fused"})
+    assert fused._bound_deployment.name == "Ingress"
+    assert fused._bound_deployment.func_or_class.__name__ == "FusedIngress"
 
 
-@pytest.mark.parametrize("name", ["local.yaml", "prod.yaml"])
+def _split_gpu_config() -> dict:
+    """local.yaml made a GPU fleet's split config: one scorer replica per GPU, autoscaled 1..8."""
+    cfg = load_config("local.yaml")
+    app = cfg["applications"][0]
+    app["args"]["scorer"] = {"num_gpus": 1, "num_cpus": 4}
+    scorer = deployment(app, "Scorer")
+    scorer.pop("num_replicas")
+    scorer["autoscaling_config"] = {"min_replicas": 1, "max_replicas": 8, "target_ongoing_requests": 128}
+    return cfg
+
+
+@pytest.mark.parametrize("name", ["local.yaml", "split-gpu"])
 def test_fused_config_keeps_the_scorer_settings_on_the_one_deployment(name):
     from serve_app.app import fused_config
 
-    cfg = load_config(name)
+    def load():
+        return load_config(name) if name.endswith(".yaml") else _split_gpu_config()
+
+    cfg = load()
     scorer = dict(deployment(cfg["applications"][0], "Scorer"))
-    fused = fused_config(load_config(name))
+    fused = fused_config(load())
     ServeDeploySchema.model_validate(fused)
     (app,) = fused["applications"]
     assert AppArgs.model_validate(app["args"]).topology == "fused"
@@ -79,8 +147,10 @@ def test_fused_config_keeps_the_scorer_settings_on_the_one_deployment(name):
         assert only.get(key) == scorer.get(key), key
     assert not ("autoscaling_config" in only and "num_replicas" in only)
     # a fixed scorer count replaces an autoscaled ingress (one replica per GPU either way)
-    cfg = load_config("prod.yaml")
+    cfg = _split_gpu_config()
     app = cfg["applications"][0]
+    deployment(app, "Ingress")["autoscaling_config"] = {"min_replicas": 1, "max_replicas": 4}
+    deployment(app, "Ingress").pop("num_replicas", None)
     deployment(app, "Scorer").pop("autoscaling_config")
     deployment(app, "Scorer")["num_replicas"] = 2
     (only,) = fused_config(cfg)["applications"][0]["deployments"]
@@ -98,14 +168,14 @@ def test_fused_config_refuses_what_is_not_a_serve_config():
 def test_fused_config_shares_each_gpu_between_replicas():
     from serve_app.app import fused_config
 
-    cfg = fused_config(load_config("prod.yaml"), replicas_per_gpu=2, gil_switch_interval_s=0.0001,
+    cfg = fused_config(_split_gpu_config(), replicas_per_gpu=2, gil_switch_interval_s=0.0001,
                        direct_ingress=True)
     ServeDeploySchema.model_validate(cfg)
     (app,) = cfg["applications"]
     args = AppArgs.model_validate(app["args"])
     assert args.scorer.num_gpus == 0.5 and args.scorer.num_cpus == 2 and args.scorer.gil_switch_interval_s == 0.0001
     (only,) = app["deployments"]
-    scorer_auto = deployment(load_config("prod.yaml")["applications"][0], "Scorer")["autoscaling_config"]
+    scorer_auto = deployment(_split_gpu_config()["applications"][0], "Scorer")["autoscaling_config"]
     assert only["autoscaling_config"]["min_replicas"] == 2 * scorer_auto["min_replicas"]
     assert only["autoscaling_config"]["max_replicas"] == 2 * scorer_auto["max_replicas"]
     assert app["runtime_env"]["env_vars"]["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1"
@@ -115,27 +185,7 @@ def test_fused_config_shares_each_gpu_between_replicas():
     assert only["num_replicas"] == 3
     for bad in (0, 1.5, -1):
         with pytest.raises(ValueError, match="replicas_per_gpu"):
-            fused_config(load_config("prod.yaml"), replicas_per_gpu=bad)
-
-
-def test_prod_fused_yaml_is_what_the_generator_makes_of_prod_yaml(monkeypatch, capsys):
-    """configs/prod-fused.yaml is generated (its header says how): it must not drift from prod.yaml."""
-    import os
-
-    from serve_app.app import main
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    monkeypatch.chdir(root)
-    with open(os.path.join(root, "configs", "prod-fused.yaml"), encoding="utf-8") as fh:
-        committed = fh.read()
-    cmd = committed.split("`")[1].split()  # the command in the header's first line
-    assert cmd[:3] == ["python", "-m", "serve_app.app"]
-    assert main(cmd[3:]) == 0
-    assert capsys.readouterr().out == committed, "regenerate configs/prod-fused.yaml: " + " ".join(cmd)
-    cfg = load_config("prod-fused.yaml")
-    ServeDeploySchema.model_validate(cfg)
-    args = AppArgs.model_validate(cfg["applications"][0]["args"])
-    assert args.topology == "fused" and args.scorer.num_gpus == 0.5 and args.api_key_env == "LAYA_FLEET_API_KEY"
+            fused_config(_split_gpu_config(), replicas_per_gpu=bad)
 
 
 @pytest.mark.parametrize("content, fragment", [(None, "cannot read"), ("a: [b", "is not YAML"),
@@ -158,7 +208,7 @@ def test_fused_command_refuses_zero_replicas_per_gpu(capsys):
 
     from serve_app.app import main
 
-    prod = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "prod.yaml")
+    local = os.path.join(REPO, "configs", "local.yaml")
     with pytest.raises(SystemExit) as e:
-        main(["fused", prod, "--replicas-per-gpu", "0"])
+        main(["fused", local, "--replicas-per-gpu", "0"])
     assert e.value.code == 2 and "replicas_per_gpu must be a whole number" in capsys.readouterr().err

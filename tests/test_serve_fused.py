@@ -116,7 +116,8 @@ def test_fused_bad_input_is_refused_with_a_message(fused):
 
 
 def test_two_fused_replicas_per_logical_gpu_serve_and_a_killed_one_is_replaced(serve_cluster, tiny_checkpoint):
-    """configs/prod-fused.yaml's shape (fused_config with replicas_per_gpu=2) on the session's logical GPUs:
+    """Fused replicas sharing a GPU (configs/prod.yaml runs three; fused_config with replicas_per_gpu=2 here) on
+    the session's logical GPUs:
     two replicas of half a GPU each, each with one GPU id and the config's GIL interval, both answering; one
     killed under load is replaced while the other keeps answering, and then every request is answered."""
     import time

