@@ -783,6 +783,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="first run the same topology doing no work (bench/serve_floor_app.py): Ray Serve's own cost")
     p.add_argument("--max-batch-tokens", type=int, default=None, help="default: 8192 on CPU, measured on GPU")
     p.add_argument("--compare-upstream", action="store_true", help="also run upstream laya-serve (after ours)")
+    p.add_argument("--upstream-levels", default=None,
+                   help="upstream's levels (default: --levels; its one process answers ~25 req/s, so 512 clients "
+                        "there means minutes of queue per level)")
     p.add_argument("--upstream-only", action="store_true", help="run only upstream laya-serve")
     p.add_argument("--levels", default="1,2,4,8,16,32,64,128,256,512")
     p.add_argument("--duration", type=float, default=20.0, help="measured seconds per level")
@@ -795,6 +798,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     levels = [int(x) for x in args.levels.split(",") if x.strip()]
+    upstream_levels = [int(x) for x in (args.upstream_levels or args.levels).split(",") if x.strip()]
     if args.no_retry_after:  # the spawned client processes read it from the environment
         os.environ["LAYA_FLEET_BENCH_RETRY_AFTER_CAP_S"] = "0"
     payloads = make_payloads()
@@ -906,6 +910,10 @@ def main(argv: list[str] | None = None) -> int:
             answers[srv.name] = sample_answers(srv.url + "/v1/systemone", payloads[:16], hdr)
             results[srv.name] = run_server(srv, payloads, levels, args.duration, args.warmup, hdr, procs,
                                            cpu=True, fused=fused)
+            if haproxy and srv.urls and 1 in levels:  # what the HAProxy hop costs one request alone
+                direct_srv = Server("")
+                direct_srv.name, direct_srv.url = srv.name + " [one replica's own port]", srv.urls[0]
+                results[direct_srv.name] = run_server(direct_srv, payloads, [1], args.duration, args.warmup, hdr)
     if args.url and not args.upstream_only:
         srv = Server("")
         srv.name, srv.url = "laya-fleet", args.url.rstrip("/")
@@ -915,7 +923,7 @@ def main(argv: list[str] | None = None) -> int:
         with UpstreamServer(args.checkpoint, free_port(), args.device, logs + ".upstream.log") as srv:
             startup[srv.name] = round(srv.ready_s, 1)
             answers[srv.name] = sample_answers(srv.url + "/v1/systemone", payloads[:16])
-            results[srv.name] = run_server(srv, payloads, levels, args.duration, args.warmup, None, procs)
+            results[srv.name] = run_server(srv, payloads, upstream_levels, args.duration, args.warmup, None, procs)
     out: dict[str, Any] = {"env": environment(args.checkpoint, args.backend),
                            "settings": {"levels": levels, "duration_s": args.duration, "warmup_s": args.warmup,
                                         "replicas": args.replicas, "gpus_per_replica": args.gpus_per_replica,
@@ -924,7 +932,8 @@ def main(argv: list[str] | None = None) -> int:
                                         "proxies": args.proxies, "ingress_mode": args.ingress_mode,
                                         "gil_switch_interval_s": args.gil_switch_interval,
                                         "max_batch_tokens": args.max_batch_tokens, "url": args.url,
-                                        "config": args.config},
+                                        "config": args.config, "upstream_levels": upstream_levels,
+                                        "retry_after_cap_s": retry_after_cap()},
                            "startup_s": startup, "results": results}
     names = list(answers)
     if len(names) >= 2:  # ours (the first) against upstream (the last)
