@@ -768,6 +768,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config-replicas-per-gpu", default=None,
                    help="with --config: also run variants of the file with K fused replicas per GPU (a list; "
                         "labelled 'not as shipped'), after the file as shipped")
+    p.add_argument("--cluster-env", action="append", default=[], metavar="NAME=VALUE",
+                   help="with --config: a variable for the cluster's environment (`serve run`'s, so Ray's processes "
+                        "and HAProxy see it), e.g. RAY_SERVE_HAPROXY_NBTHREAD=1; repeatable; named in the row")
     p.add_argument("--no-retry-after", action="store_true",
                    help="clients retry a 503 at once instead of waiting its Retry-After (capped at %gs)"
                         % RETRY_AFTER_CAP_S)
@@ -799,6 +802,7 @@ def main(argv: list[str] | None = None) -> int:
 
     levels = [int(x) for x in args.levels.split(",") if x.strip()]
     upstream_levels = [int(x) for x in (args.upstream_levels or args.levels).split(",") if x.strip()]
+    cluster_env = dict(kv.split("=", 1) for kv in args.cluster_env)
     if args.no_retry_after:  # the spawned client processes read it from the environment
         os.environ["LAYA_FLEET_BENCH_RETRY_AFTER_CAP_S"] = "0"
     payloads = make_payloads()
@@ -902,10 +906,11 @@ def main(argv: list[str] | None = None) -> int:
         fused = app_args.get("topology") == "fused"
         hdr = {"Authorization": "Bearer " + next(iter(key_env.values()))} if key_env else None
         with FleetServer(cfg, logs + ".config%s.log" % (rpg or ""), direct=direct, haproxy=haproxy,
-                         extra_env=dict(MODES[mode], **key_env)) as srv:
-            srv.name = "laya-fleet (%s%s%s)" % (
+                         extra_env=dict(MODES[mode], **key_env, **cluster_env)) as srv:
+            srv.name = "laya-fleet (%s%s%s%s)" % (
                 os.path.basename(args.config), ", HAProxy" if haproxy else ", direct ingress" if direct else "",
-                ", %d per GPU (not as shipped)" % rpg if rpg else "")
+                ", %d per GPU (not as shipped)" % rpg if rpg else "",
+                "".join(", %s=%s" % kv for kv in cluster_env.items()))
             startup[srv.name] = round(srv.ready_s, 1)
             answers[srv.name] = sample_answers(srv.url + "/v1/systemone", payloads[:16], hdr)
             results[srv.name] = run_server(srv, payloads, levels, args.duration, args.warmup, hdr, procs,

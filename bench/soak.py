@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from serve_load import REPO, FleetServer, environment, make_payloads, summarize  # noqa: E402
 
 ROLES = {"Scorer": "ServeReplica:{app}:Scorer", "Ingress": "ServeReplica:{app}:Ingress", "Proxy": "ProxyActor",
-         "Controller": "ServeController"}
+         "Controller": "ServeController", "HAProxyManager": "HAProxyManager"}
 
 
 def serve_processes(app: str, root_pid: int) -> dict[str, list[int]]:
@@ -156,6 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sample", type=float, default=15.0, help="seconds per table row")
     p.add_argument("--settle", type=float, default=60.0, help="seconds before RSS is expected to be flat")
     p.add_argument("--rss-tol-mib", type=float, default=48.0)
+    p.add_argument("--path", choices=("haproxy", "proxy"), default="haproxy",
+                   help="haproxy: Ray's HAProxy ingress on the HTTP port (as `make serve` and configs/prod.yaml run); "
+                        "proxy: Serve's Python proxy")
     p.add_argument("--out", default=os.path.join(REPO, "bench", "results", "soak_cpu.json"))
     args = p.parse_args(argv)
 
@@ -173,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     samples: list[dict] = []
     log_path = os.path.join(tempfile.gettempdir(), "laya-fleet-bench", os.path.basename(base) + ".serve.log")
     os.makedirs(os.path.dirname(log_path), exist_ok=True)
-    with FleetServer(args.config, log_path) as srv:
+    with FleetServer(args.config, log_path, haproxy=args.path == "haproxy") as srv:
         pids = serve_processes(app["name"], srv.proc.pid)
         print("serve run %s ready in %.1fs at %s; processes %s" % (args.config, srv.ready_s, srv.url, pids))
         print("%7s %8s %8s %9s %9s %7s  %s" % ("t (s)", "requests", "req/s", "p50 ms", "p99 ms", "failed", "RSS MiB"))
@@ -193,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     flat = flatness(samples, args.settle, args.rss_tol_mib)
     failed = total["requests"] - total["ok"]
     passed = failed == 0 and all(v["flat"] for v in flat.values()) and pids_end == pids
-    out = {"env": environment(ckpt, app["args"].get("backend", "auto")), "config": args.config,
+    out = {"env": environment(ckpt, app["args"].get("backend", "auto")), "config": args.config, "path": args.path,
            "clients": args.clients, "duration_s": args.duration, "startup_s": round(srv.ready_s, 1),
            "total": total, "failed": failed, "rss": flat, "replicas_restarted": pids_end != pids,
            "passed": passed, "samples": samples}
