@@ -9,7 +9,9 @@ Pointing `RAY_SERVE_HAPROXY_BINARY_PATH` at this command (in the cluster's envir
 - the stats and metrics listeners bind the HTTP frontend's address when that is a loopback address, so a
   service bound to 127.0.0.1 (configs/local.yaml) opens nothing beyond the machine;
 - `timeout http-request` bounds the time to receive a request's headers (HEADER_TIMEOUT_S): a client that
-  trickles its headers gets HAProxy's 408 instead of holding a connection.
+  trickles its headers gets HAProxy's 408 instead of holding a connection;
+- HAProxy gets SIGTERM when Ray's HAProxyManager (its parent) dies: otherwise a Ray stopped hard, or a
+  `serve run` interrupted, leaves HAProxy behind holding the HTTP port.
 
 Everything else (arguments, reloads with `-sf`, the admin socket) is HAProxy's and Ray's, unchanged: this
 process execs the binary in place, so Ray sees the pid it spawned.
@@ -84,6 +86,21 @@ def real_binary() -> str:
     raise SystemExit("laya-fleet-haproxy: no HAProxy binary (install ray[serve] on Linux, or set %s)" % BINARY_ENV)
 
 
+def _die_with_parent() -> None:
+    """Ask Linux to SIGTERM this process (HAProxy, after the exec) when its parent, Ray's HAProxyManager actor,
+    dies: stopped any way but gracefully, Ray leaves HAProxy running, holding the HTTP port."""
+    import ctypes
+    import signal
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG (kept across execve)
+    except (OSError, AttributeError):  # not Linux: nothing to ask
+        return
+    if os.getppid() == 1:  # the parent died before the request took effect
+        raise SystemExit(0)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Exec the real HAProxy with `-f CONFIG` replaced by the rewritten copy `CONFIG.laya` (other args as given)."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -99,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         os.replace(tmp, dst)
         args[i] = dst
     binary = real_binary()
+    _die_with_parent()
     os.execv(binary, [binary, *args])
     return 127  # pragma: no cover - execv does not return
 

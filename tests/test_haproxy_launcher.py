@@ -107,3 +107,61 @@ def test_a_broken_rewrite_would_be_caught_by_haproxy(tmp_path):
                                             ("*", False), ("10.0.0.5", False), ("", False)])
 def test_loopback_addresses(host, loopback):
     assert haproxy._is_loopback(host) is loopback
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _running(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    try:
+        with open("/proc/%d/stat" % pid) as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_haproxy_dies_with_the_process_that_started_it(tmp_path):
+    """Ray's HAProxyManager actor spawns the launcher; when that process dies (a Ray stopped hard, an
+    interrupted `serve run`), HAProxy must not stay behind holding the HTTP port."""
+    import socket
+    import time
+
+    port = _free_port()
+    path = tmp_path / "haproxy.cfg"
+    path.write_text(RAY_CONFIG.format(sock=tmp_path / "admin.sock", metrics=_free_port(), http=port,
+                                      stats=_free_port(), host="127.0.0.1"))
+    parent = subprocess.Popen([sys.executable, "-c", (
+        "import subprocess, sys, time\n"
+        "p = subprocess.Popen([sys.executable, '-m', 'serve_app.haproxy', '-db', '-f', %r])\n"
+        "print(p.pid, flush=True)\n"
+        "time.sleep(120)\n") % str(path)], stdout=subprocess.PIPE, text=True)
+    child = None
+    try:
+        child = int(parent.stdout.readline())
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # HAProxy is up once its frontend accepts connections
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.2)
+        else:
+            raise AssertionError("HAProxy did not listen on %d" % port)
+        with open("/proc/%d/cmdline" % child, "rb") as fh:  # the launcher exec'd HAProxy in place
+            assert os.path.basename(fh.read().split(b"\0")[0].decode()) == "haproxy"
+        parent.kill()
+        parent.wait(10)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and _running(child):
+            time.sleep(0.1)
+        assert not _running(child), "HAProxy %d outlived its parent" % child
+    finally:
+        parent.kill()
+        if child and _running(child):
+            os.kill(child, 9)
