@@ -11,12 +11,9 @@ PYTEST_ARGS ?=
 
 .PHONY: setup checkpoint serve test lint bench-cpu clean
 
-$(BIN)/.installed: pyproject.toml
-	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	if ! command -v nvidia-smi >/dev/null 2>&1 && ! $(BIN)/python -c "import torch" 2>/dev/null; then \
-		$(BIN)/python -m pip install -q "$(TORCH_CPU)"; fi
-	$(BIN)/python -m pip install -q -e ".[dev]"
+# deploy/install.sh: venv, pip, the CPU torch where there is no CUDA, then -e ".[dev]" through constraints.txt
+$(BIN)/.installed: pyproject.toml constraints.txt deploy/install.sh
+	PY="$(PY)" TORCH_CPU="$(TORCH_CPU)" bash deploy/install.sh $(VENV)
 	touch $@
 
 setup: $(BIN)/.installed
@@ -36,12 +33,13 @@ serve: setup checkpoint
 		$(BIN)/serve run configs/local.yaml; \
 	else $(BIN)/serve run configs/local.yaml; fi
 
-# tests/test_serve_direct.py starts a second local Ray (`serve run` with direct ingress) beside the session's
-# in-process one; in one pytest process with the rest, 2 of 3 full runs passed every test and then exited 1-2
-# without a summary (unexplained), so it runs in its own process.
+# tests/test_serve_direct.py and tests/test_serve_haproxy.py start a second local Ray (`serve run` with direct
+# ingress, or behind HAProxy) beside the session's in-process one; in one pytest process with the rest, 2 of 3 full
+# runs with test_serve_direct.py passed every test and then exited 1-2 without a summary (unexplained), so they
+# run in a process of their own.
 test: setup
-	$(BIN)/python -m pytest -q --ignore=tests/test_serve_direct.py $(PYTEST_ARGS)
-	$(BIN)/python -m pytest -q tests/test_serve_direct.py $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q --ignore=tests/test_serve_direct.py --ignore=tests/test_serve_haproxy.py $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q tests/test_serve_direct.py tests/test_serve_haproxy.py $(PYTEST_ARGS)
 
 lint: setup
 	$(BIN)/ruff check .

@@ -12,6 +12,7 @@ import copy
 import json
 import os
 import socket
+import sys
 import time
 from typing import Any
 
@@ -289,3 +290,176 @@ def running_replicas(app: str = "laya", deployment_name: str = "Scorer") -> int:
     a = serve.status().applications.get(app)
     st = a.deployments.get(deployment_name) if a else None
     return int(st.replica_states.get("RUNNING", 0)) if st else 0
+
+
+# -- a `serve run` of its own (a second local Ray, as an operator starts one), and what it listens on ------
+
+SERVE_BIN = os.path.join(os.path.dirname(sys.executable), "serve")
+# A shell without job control starts background commands with SIGINT ignored, and an ignored signal stays ignored
+# across exec: `serve run` would then miss the SIGINT that shuts Serve and Ray down cleanly, and wait for SIGTERM.
+_EXEC_WITH_SIGINT = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                     "os.execv(sys.argv[1], sys.argv[1:])")
+
+
+def free_port_range(n: int, lo: int = 20000, hi: int = 29000) -> int:
+    """The first port of `n` consecutive ports in lo..hi that nothing listens on now (below Linux's ephemeral
+    range, so Ray's own random ports do not land there)."""
+    import random
+
+    rng = random.Random()
+    for _ in range(200):
+        first = rng.randrange(lo, hi - n)
+        try:
+            for p in range(first, first + n):
+                with socket.socket() as s:
+                    s.bind(("", p))
+        except OSError:
+            continue
+        return first
+    raise RuntimeError("no %d free consecutive ports in %d..%d" % (n, lo, hi))
+
+
+class ServeRun:
+    """`serve run --address local CONFIG` in a session of its own (its own local Ray), stopped by signalling
+    that session's process group: SIGINT (Serve and Ray shut down), then SIGTERM, then SIGKILL."""
+
+    def __init__(self, config: dict, env: dict[str, str], base: str, timeout: float = 240.0):
+        import tempfile
+
+        self.config, self.env, self.base, self.timeout = config, env, base, timeout
+        self._tmp = tempfile.TemporaryDirectory(prefix="laya-serve-run-")
+        self.log_path = os.path.join(self._tmp.name, "serve.log")
+        self.proc = None
+
+    def __enter__(self) -> ServeRun:
+        import subprocess
+
+        path = os.path.join(self._tmp.name, "config.yaml")
+        with open(path, "w", encoding="utf-8") as fh:
+            yaml.safe_dump(self.config, fh)
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen([sys.executable, "-c", _EXEC_WITH_SIGINT, SERVE_BIN, "run", "--address", "local",
+                                      path], env=self.env, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        try:
+            wait_ready(self.base, timeout=self.timeout)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def log_tail(self, n: int = 4000) -> str:
+        """The last `n` characters of the `serve run` output."""
+        with open(self.log_path, encoding="utf-8", errors="replace") as fh:
+            return fh.read()[-n:]
+
+    def processes(self) -> dict[int, str]:
+        """{pid: process title} of every live process of this `serve run`'s session (Ray's daemons, workers,
+        HAProxy): they all inherit its session id."""
+        return session_processes(self.proc.pid)
+
+    def __exit__(self, *exc) -> None:
+        import signal
+        import subprocess
+
+        for sig, wait in ((signal.SIGINT, 60), (signal.SIGTERM, 20), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(self.proc.pid, sig)
+                self.proc.wait(wait)
+                break
+            except ProcessLookupError:
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        self._log.close()
+        self._tmp.cleanup()
+
+
+def _title(pid: int) -> str:
+    """A process's title (Ray workers set theirs, e.g. `ray::ServeReplica:laya:Ingress`), else its command line."""
+    with open("/proc/%d/cmdline" % pid, "rb") as fh:
+        parts = [p for p in fh.read().split(b"\0") if p.strip()]
+    return " ".join(p.decode("utf-8", "replace").strip() for p in parts)
+
+
+def session_processes(sid: int) -> dict[int, str]:
+    """{pid: title} of the live processes whose session id is `sid` (Linux /proc)."""
+    out = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open("/proc/%s/stat" % name, encoding="utf-8", errors="replace") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+            if int(fields[3]) == sid and fields[0] != "Z":
+                out[int(name)] = _title(int(name))
+        except (OSError, IndexError, ValueError):  # gone meanwhile, or not ours to read
+            continue
+    return out
+
+
+def _hex_addr(text: str) -> tuple[str, int]:
+    import ipaddress
+
+    host, port = text.split(":")
+    raw = bytes.fromhex(host)
+    # /proc/net/tcp{,6} print each 32-bit word in host (little-endian) order
+    raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    ip = ipaddress.ip_address(raw)
+    if ip.version == 6 and ip.ipv4_mapped:
+        ip = ip.ipv4_mapped
+    return str(ip), int(port, 16)
+
+
+def listening_sockets(pids) -> list[tuple[int, str, int]]:
+    """(pid, address, port) of every listening TCP socket the processes `pids` hold (Linux /proc)."""
+    inodes: dict[str, tuple[str, int]] = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table, encoding="ascii") as fh:
+                rows = fh.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            f = row.split()
+            if f[3] == "0A":  # TCP_LISTEN
+                inodes[f[9]] = _hex_addr(f[1])
+    out = []
+    for pid in pids:
+        try:
+            fds = os.listdir("/proc/%d/fd" % pid)
+        except OSError:
+            continue
+        seen = set()
+        for fd in fds:
+            try:
+                target = os.readlink("/proc/%d/fd/%s" % (pid, fd))
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inode = target[8:-1]
+                if inode in inodes and inode not in seen:
+                    seen.add(inode)
+                    out.append((pid, *inodes[inode]))
+    return sorted(out)
+
+
+def is_loopback(address: str) -> bool:
+    """Whether an IP address is a loopback one (127.0.0.0/8, ::1)."""
+    import ipaddress
+
+    return ipaddress.ip_address(address).is_loopback
+
+
+def haproxy_servers(stats_url: str, backend: str) -> dict[str, dict[str, str]]:
+    """{server name: its row} of one backend on HAProxy's stats page (`<stats_url>;csv`): `status` (UP, DOWN,
+    `UP 1/2` while checks fail...), `bck` ("1" for a backup server), `scur` / `stot` (current / total sessions
+    since this HAProxy process started: a reload restarts them)."""
+    import csv
+    import io
+
+    r = httpx.get(stats_url + ";csv", timeout=5.0)
+    r.raise_for_status()
+    rows = csv.DictReader(io.StringIO(r.text.lstrip("# ")))
+    return {row["svname"]: row for row in rows
+            if row["pxname"] == backend and row["svname"] not in ("FRONTEND", "BACKEND")}
