@@ -458,10 +458,13 @@ class Ingress:
         except Exception:  # noqa: BLE001 - no replica yet, saturated or timed out
             resp.cancel()
             raise HTTPError(503, "scorer unavailable, try again later", {"Retry-After": str(RETRY_AFTER_S)}) from None
-        out["ingress"] = {"scorer_calls": self._calls.calls, "requests": self._calls.requests,
-                          "waiting": self._calls.waiting, "inflight": self._calls.inflight,
-                          "ray_serve": serve_request_path()}
+        out["ingress"] = dict(self._call_counters(), ray_serve=serve_request_path())
         return out
+
+    def _call_counters(self) -> dict[str, int]:
+        """This replica's scorer calls, the requests they carried, and requests waiting for or in a call."""
+        c = self._calls
+        return {"scorer_calls": c.calls, "requests": c.requests, "waiting": c.waiting, "inflight": c.inflight}
 
     @app.get("/ready", summary="Readiness: 200 once a warm scorer replica answers, else 503")
     async def ready(self):
@@ -521,22 +524,31 @@ class FusedIngress(Ingress.func_or_class):
         from .scorer_deployment import ScorerDeployment
 
         self._local = ScorerDeployment.func_or_class(**scorer_kwargs)
+        self._direct = {"scorer_calls": 0, "inflight": 0}
         await super().__init__(LocalScorer(self._local), checkpoint, **ingress_kwargs)
 
     async def _score(self, rows: list) -> tuple:
         """The in-process scorer's (logits, act) for one request's rows: straight into its token batcher, which
         batches concurrent requests itself (no call slots to share: nothing crosses a process here)."""
+        self._direct["scorer_calls"] += 1
+        self._direct["inflight"] += 1
         try:
             async with asyncio.timeout(self.limits.scorer_timeout_s):
                 out = await self._local.score(rows)
         except TimeoutError:
             raise HTTPError(504, "scoring timed out") from None
-        except asyncio.CancelledError:
-            raise
         except Exception:  # noqa: BLE001 - this request failed in its batch (the scorer logged why)
             raise HTTPError(500, "inference failed") from None
+        finally:
+            self._direct["inflight"] -= 1
         self._last_score_ok = time.monotonic()
         return out
+
+    def _call_counters(self) -> dict[str, int]:
+        """Requests scored straight into this replica's batcher: each is one call and one request."""
+        d = self._direct
+        return {"scorer_calls": d["scorer_calls"], "requests": d["scorer_calls"], "waiting": 0,
+                "inflight": d["inflight"]}
 
     def reconfigure(self, user_config: dict | None) -> None:
         """The scorer's batching policy, applied live (see `ScorerDeployment.reconfigure`)."""
