@@ -222,13 +222,7 @@ class LoadGen:
 
         async def client(c: httpx.AsyncClient):
             while not self._stop.is_set():
-                t = time.monotonic()
-                try:
-                    r = await c.post(self.url, json=self.payload(), headers=self.headers)
-                    status = r.status_code
-                except httpx.HTTPError:
-                    status = -1
-                self.results.append((time.monotonic(), status, time.monotonic() - t))
+                await self._one(c)
 
         async def main():
             limits = httpx.Limits(max_connections=self.clients, max_keepalive_connections=self.clients)
@@ -238,6 +232,16 @@ class LoadGen:
         self._thread = threading.Thread(target=lambda: asyncio.run(main()), daemon=True)
         self._thread.start()
         return self
+
+    async def _one(self, c: httpx.AsyncClient) -> None:
+        """One request; appends (finished at, status or -1 for a transport error, seconds) to `results`."""
+        t = time.monotonic()
+        try:
+            r = await c.post(self.url, json=self.payload(), headers=self.headers)
+            status = r.status_code
+        except httpx.HTTPError:
+            status = -1
+        self.results.append((time.monotonic(), status, time.monotonic() - t))
 
     def stop(self) -> list[tuple[float, int, float]]:
         """Stop after the in-flight requests finish; returns all results."""

@@ -16,7 +16,6 @@ import os
 import random
 import signal
 import sys
-import threading
 import time
 from dataclasses import dataclass
 
@@ -36,6 +35,7 @@ from .serve_helpers import (  # noqa: E402
     REPO,
     TEST_KEY,
     TEST_KEY_ENV,
+    LoadGen,
     ServeRun,
     app_config,
     assert_same_result,
@@ -127,43 +127,26 @@ def _payload(rng: random.Random) -> dict:
     return {"state": " ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 30))), "questions": QUESTIONS}
 
 
-class Load:
-    """`clients` closed-loop clients in a background thread, each POSTing again as soon as answered; records
-    (sent at, answered at, status or -1 for a transport error, detail) per request."""
+class Load(LoadGen):
+    """serve_helpers.LoadGen's closed-loop clients, recording (sent at, answered at, status or -1 for a transport
+    error, detail) per request."""
 
     def __init__(self, url: str, clients: int, seed: int = 0, timeout: float = 60.0):
-        self.url, self.clients, self.timeout = url, clients, timeout
-        self.results: list[tuple[float, float, int, str]] = []
-        self._rng = random.Random(seed)
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        rng = random.Random(seed)
+        super().__init__(url, lambda: _payload(rng), clients, headers=AUTH, timeout=timeout)
 
-    def start(self) -> Load:
-        """Start the clients; returns self."""
-        async def client(c: httpx.AsyncClient):
-            while not self._stop.is_set():
-                t = time.monotonic()
-                try:
-                    r = await c.post(self.url, json=_payload(self._rng), headers=AUTH)
-                    status, detail = r.status_code, ("" if r.status_code == 200 else r.text[:200])
-                except httpx.HTTPError as e:
-                    status, detail = -1, repr(e)[:200]
-                self.results.append((t, time.monotonic(), status, detail))
-
-        async def main():
-            limits = httpx.Limits(max_connections=self.clients, max_keepalive_connections=self.clients)
-            async with httpx.AsyncClient(timeout=self.timeout, limits=limits) as c:
-                await asyncio.gather(*(client(c) for _ in range(self.clients)))
-
-        self._thread = threading.Thread(target=lambda: asyncio.run(main()), daemon=True)
-        self._thread.start()
-        return self
+    async def _one(self, c: httpx.AsyncClient) -> None:
+        t = time.monotonic()
+        try:
+            r = await c.post(self.url, json=self.payload(), headers=self.headers)
+            status, detail = r.status_code, ("" if r.status_code == 200 else r.text[:200])
+        except httpx.HTTPError as e:
+            status, detail = -1, repr(e)[:200]
+        self.results.append((t, time.monotonic(), status, detail))
 
     def stop(self) -> list[tuple[float, float, int, str]]:
         """Stop once the requests in flight are answered; returns every result."""
-        self._stop.set()
-        self._thread.join(self.timeout + 10)
-        return list(self.results)
+        return list(super().stop())
 
     def answered_since(self, t: float) -> int:
         """Requests answered 200 after monotonic time `t`."""
