@@ -758,7 +758,7 @@ def main(argv: list[str] | None = None) -> int:
                         "(direct without the RAY_SERVE_* request-path settings of configs/local.yaml), direct-tp "
                         "(direct with RAY_SERVE_THROUGHPUT_OPTIMIZED=1, Ray's preset), or a list of them")
     p.add_argument("--config", default=None,
-                   help="run this Serve config file as shipped (e.g. configs/prod-fused.yaml) instead of the topology "
+                   help="run this Serve config file as shipped (e.g. configs/prod.yaml) instead of the topology "
                         "built from configs/local.yaml: only checkpoint, backend, device, port, cache dirs and the "
                         "bearer key are set for this machine; --topology, --replicas and the like are ignored")
     p.add_argument("--haproxy", default="auto", choices=("auto", "on", "off"),
