@@ -18,6 +18,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 from ray.serve import Application
 
+from . import ray_compat
 from .ingress import Ingress, Limits
 from .scorer_deployment import BatchingPolicy, ScorerDeployment
 
@@ -97,6 +98,7 @@ def build_app(args: AppArgs) -> Application:
     """The Serve application (Ingress bound to a Scorer handle) for these arguments."""
     if isinstance(args, dict):  # called directly rather than through Serve's builder machinery
         args = AppArgs.model_validate(args)
+    ray_compat.check()  # `serve run` / `serve deploy` stop here on a Ray without the APIs the replicas use
     checkpoint = _checkpoint_path(args.checkpoint)
     if args.haproxy and os.environ.get(HAPROXY_ENV) != "1":
         log.warning("this app expects Ray's HAProxy ingress, but %s=1 is not in the cluster's environment: it "

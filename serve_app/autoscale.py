@@ -9,7 +9,8 @@ asks for `sum(pending_requests) / target_ongoing_requests` replicas: `target_ong
 config keeps its meaning of requests per replica. Serve applies min/max replicas and the upscale and
 downscale delays around it.
 
-The function is pickled by value into the Serve controller, so it imports nothing from this project.
+The function is pickled by value into the Serve controller, so it imports nothing from this project; the
+parts of Ray's `AutoscalingContext` it reads are checked when the app is built (serve_app/ray_compat.py).
 
     autoscaling_config:
       target_ongoing_requests: 64

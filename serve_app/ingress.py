@@ -15,41 +15,39 @@ import os
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
+from importlib import metadata
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from model.decode import empty_result
 from model.questions import serialize_state
 
-from . import metrics
+from . import metrics, ray_compat
 from .coalesce import CallCoalescer
+from .schemas import (
+    BATCH_DOC,
+    BODY_DOC,
+    SCORE_ERRORS,
+    BatchResponse,
+    DocumentedApp,
+    HealthResponse,
+    InfoResponse,
+    Limits,
+    ReadyResponse,
+    StatsResponse,
+    SystemOneResponse,
+    error_docs,
+)
 
 log = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1
 ROUTES = ("/v1/systemone", "/v1/systemone/batch")
-
-
-class Limits(BaseModel):
-    """Request limits; defaults are upstream `laya-serve`'s."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    max_body_bytes: int = Field(2 * 1024 * 1024, ge=1024)
-    max_questions: int = Field(64, ge=1)
-    max_state_chars: int = Field(50_000, ge=1)
-    max_choice_options: int = Field(100, ge=1)
-    max_score_levels: int = Field(32, ge=1)
-    max_total_options: int = Field(512, ge=1)
-    max_batch_states: int = Field(64, ge=1)
-    body_read_timeout_s: float = Field(10.0, gt=0)
-    scorer_timeout_s: float = Field(60.0, gt=0, description="give up on one scorer call after this long (504)")
-    scorer_retries: int = Field(3, ge=0, description="retries of a scorer call whose replica died")
+VERSIONED = ("laya-fleet", "torch", "ray", "tilelang")  # the distributions `/info` reports
 
 
 class HTTPError(Exception):
@@ -135,7 +133,9 @@ def budget_args(body: dict) -> dict[str, int]:
     return out
 
 
-app = FastAPI(
+# the OpenAPI document describes the wire format with serve_app/schemas.py's models; the handlers below read the
+# raw body and check it themselves, so statuses and error texts stay upstream's
+app = DocumentedApp(
     title="laya-fleet",
     summary="Laya typed-decision answers over the Jev /v1/systemone protocol, on Ray Serve",
     description="`POST /v1/systemone` answers `choice` / `score` / `noul` questions about one state; "
@@ -163,14 +163,6 @@ async def _internal_error(_request: Request, exc: Exception) -> JSONResponse:
     return JSONResponse({"detail": "internal error"}, status_code=500)
 
 
-_EXAMPLE = {"state": "Hi, my order #1234 arrived broken and I want my money back today.",
-            "questions": {"intent": {"type": "choice", "instructions": "What does the customer want?",
-                                     "criteria": {"refund": "money back", "replacement": "a new item"}},
-                          "angry": {"type": "noul", "instructions": "Is the customer angry?"}}}
-_BODY_DOC = {"requestBody": {"required": True, "content": {"application/json": {"example": _EXAMPLE}}}}
-_BATCH_DOC = {"requestBody": {"required": True, "content": {"application/json": {"example": {
-    "states": [_EXAMPLE["state"], {"subject": "invoice", "body": "Where is my invoice?"}],
-    "questions": _EXAMPLE["questions"]}}}}}
 
 
 def _hide_docs(fastapi_app: FastAPI) -> None:
@@ -180,12 +172,22 @@ def _hide_docs(fastapi_app: FastAPI) -> None:
     fastapi_app.router.routes[:] = [r for r in fastapi_app.router.routes if getattr(r, "path", None) not in hidden]
 
 
+def package_versions(names: tuple[str, ...] = VERSIONED) -> dict[str, str | None]:
+    """The installed version of each distribution in `names` (None for one not installed)."""
+    out: dict[str, str | None] = {}
+    for name in names:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
 def serve_request_path() -> dict[str, bool]:
     """How Ray Serve runs this replica's request path, as its environment set it (the app's runtime_env in
     configs/*.yaml): gRPC calls between deployments, user code and the handle's router on the replica's own
     event loop, direct ingress."""
-    from ray.serve._private import constants as c
-
+    c = ray_compat.serve_constants()
     return {"grpc_between_deployments": bool(c.RAY_SERVE_USE_GRPC_BY_DEFAULT),
             "user_code_on_replica_loop": not c.RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD,
             "router_on_replica_loop": not c.RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP,
@@ -197,12 +199,15 @@ def serve_request_path() -> dict[str, bool]:
 class Ingress:
     """FastAPI ingress: validates and tokenizes on CPU, scores through the scorer handle, decodes."""
 
+    topology = "split"
+
     def __init__(self, scorer, checkpoint: str, limits: dict | None = None, api_key_env: str | None = None,
                  docs: bool = True, cpu_threads: int = 2, max_inflight_calls: int = 4,
                  max_call_tokens: int = 65536):
         from .codec import load_codec
 
         t0 = time.perf_counter()
+        ray_compat.check()  # a Ray without the APIs used here fails now, not on the first request
         self.scorer = scorer
         self.limits = Limits.model_validate(limits or {})
         self._expected_auth: bytes | None = None
@@ -218,6 +223,7 @@ class Ingress:
             _hide_docs(app)
         self.codec = load_codec(checkpoint)
         self.model_name = empty_result()["model"]
+        self._versions = package_versions()
         self._pool = ThreadPoolExecutor(max(1, int(cpu_threads)), thread_name_prefix="laya-ingress")
         self._calls = CallCoalescer(self._score_many, max_inflight=max_inflight_calls,
                                     max_call_tokens=max_call_tokens)
@@ -294,8 +300,11 @@ class Ingress:
 
     async def _score_many(self, groups: list) -> list:
         """One scorer call for several requests' rows; retries when the replica died, maps overload to 503."""
-        from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError
-        from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, RequestCancelledError
+        err = ray_compat.errors()
+        ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError = (
+            err.ActorDiedError, err.ActorUnavailableError, err.RayActorError, err.RayTaskError)
+        BackPressureError, DeploymentUnavailableError, RequestCancelledError = (
+            err.BackPressureError, err.DeploymentUnavailableError, err.RequestCancelledError)
 
         attempts = self.limits.scorer_retries + 1
         for attempt in range(attempts):
@@ -367,7 +376,8 @@ class Ingress:
         return body
 
     # -- routes -------------------------------------------------------------------------------
-    @app.post("/v1/systemone", openapi_extra=_BODY_DOC,
+    @app.post("/v1/systemone", openapi_extra=BODY_DOC, response_model=None,
+              responses={200: {"model": SystemOneResponse, "description": "the answer JSON"}, **SCORE_ERRORS},
               summary="Answer questions about one state (upstream Laya/Jev wire format)")
     async def systemone(self, request: Request):
         """`{"state", "questions", "model"?, "max_len"?, "head_max_len"?}` -> `{"model", "answers", "usage"}`."""
@@ -403,7 +413,8 @@ class Ingress:
         finally:
             self._record(ROUTES[0], status, t0)
 
-    @app.post("/v1/systemone/batch", openapi_extra=_BATCH_DOC,
+    @app.post("/v1/systemone/batch", openapi_extra=BATCH_DOC, response_model=None,
+              responses={200: {"model": BatchResponse, "description": "one answer JSON per state"}, **SCORE_ERRORS},
               summary="Answer one question set about many states")
     async def systemone_batch(self, request: Request):
         """`{"states": [...], "questions", "model"?}` -> `{"model", "results": [...], "total_usage"}`."""
@@ -441,35 +452,62 @@ class Ingress:
         finally:
             self._record(ROUTES[1], status, t0)
 
-    @app.get("/health", summary="Liveness: the ingress process answers")
+    @app.get("/health", summary="Liveness: the ingress process answers", response_model=None,
+             responses={200: {"model": HealthResponse, "description": "the ingress runs"}})
     async def health(self) -> dict:
         """Always `{"status": "ok"}` while the ingress runs."""
         return {"status": "ok"}
 
-    @app.get("/stats", summary="Batching counters of one scorer replica and this ingress replica's coalescing")
+    async def _ask_scorer(self, method) -> dict:
+        """`method.remote()`'s answer (a scorer replica's stats or info); 503 + Retry-After if none answers in 5 s."""
+        resp = method.remote()
+        try:
+            return await asyncio.wait_for(resp, 5.0)
+        except Exception:  # noqa: BLE001 - no replica yet, saturated or timed out
+            resp.cancel()
+            raise HTTPError(503, "scorer unavailable, try again later", {"Retry-After": str(RETRY_AFTER_S)}) from None
+
+    @app.get("/stats", summary="Batching counters of one scorer replica and this ingress replica's coalescing",
+             response_model=None, responses={200: {"model": StatsResponse, "description": "the counters"},
+                                             **error_docs(401, 503)})
     async def stats(self, request: Request):
         """The counters of whichever scorer replica answers (requests, batches, requests-per-batch histogram,
         waits, forward seconds) and, under `ingress`, this ingress replica's scorer calls and the requests they
         carried. Same bearer rule as the scoring routes."""
         self._require_bearer(request)
-        resp = self.scorer.stats.remote()
-        try:
-            out = await asyncio.wait_for(resp, 5.0)
-        except Exception:  # noqa: BLE001 - no replica yet, saturated or timed out
-            resp.cancel()
-            raise HTTPError(503, "scorer unavailable, try again later", {"Retry-After": str(RETRY_AFTER_S)}) from None
+        out = await self._ask_scorer(self.scorer.stats)
         out["ingress"] = dict(self._call_counters(), ray_serve=serve_request_path())
         return out
+
+    @app.get("/info", summary="What this service runs: checkpoints, backend, precision, limits, batching, versions",
+             response_model=None, responses={200: {"model": InfoResponse, "description": "the facts"},
+                                             **error_docs(401, 503)})
+    async def server_info(self, request: Request):
+        """The checkpoint(s) served (name, content hash, backend, dtype, device, token lengths), this ingress's
+        limits, the batching policy and budget, and the versions of laya-fleet, torch, ray and tilelang. Scorer
+        facts come from whichever scorer replica answers (in-process when fused); 503 if none does in 5 s.
+        Same bearer rule as the scoring routes."""
+        self._require_bearer(request)
+        s = await self._ask_scorer(self.scorer.info)
+        return {"topology": self.topology,
+                "checkpoints": [{"name": s["checkpoint"], "hash": s["checkpoint_hash"], "model": self.model_name,
+                                 "backend": s["backend"], "dtype": s["dtype"], "device": s["device"],
+                                 "max_len": s["max_len"], "head_max_len": s["head_max_len"]}],
+                "limits": self.limits.model_dump(),
+                "batching": dict(s["policy"], budget=s["budget"]),
+                "versions": self._versions}
 
     def _call_counters(self) -> dict[str, int]:
         """This replica's scorer calls, the requests they carried, and requests waiting for or in a call."""
         c = self._calls
         return {"scorer_calls": c.calls, "requests": c.requests, "waiting": c.waiting, "inflight": c.inflight}
 
-    @app.get("/ready", summary="Readiness: 200 once a warm scorer replica answers, else 503")
+    @app.get("/ready", summary="Readiness: 200 once a warm scorer replica answers, else 503", response_model=None,
+             responses={200: {"model": ReadyResponse, "description": "ready"},
+                        503: {"model": ReadyResponse, "description": "`{\"ready\": false}`, with Retry-After"}})
     async def ready(self):
         """200 `{"ready": true, ...}` when a scorer replica is warm; 503 `{"ready": false}` otherwise."""
-        from ray.serve.exceptions import BackPressureError
+        BackPressureError = ray_compat.errors().BackPressureError
 
         resp = self.scorer.stats.remote()
         try:
@@ -501,28 +539,32 @@ class _LocalMethod:
 
 
 class LocalScorer:
-    """The handle interface the ingress uses (`score_many`, `stats`), served by a scorer in this process."""
+    """The handle interface the ingress uses (`score_many`, `stats`, `info`), served by a scorer in this process."""
 
     def __init__(self, scorer):
         self.impl = scorer
         self.score_many = _LocalMethod(scorer.score_many)
         self.stats = _LocalMethod(scorer.stats)
+        self.info = _LocalMethod(scorer.info)
 
 
 @serve.deployment(name="Ingress", max_ongoing_requests=512, health_check_period_s=10,
                   graceful_shutdown_timeout_s=20)
 class FusedIngress(Ingress.func_or_class):
     """The ingress with its scorer in the same replica (`topology: fused`): each replica (one per GPU, or
-    several sharing one: configs/prod-fused.yaml) serves HTTP, tokenizes, batches and runs the model, so a
+    several sharing one: configs/prod.yaml runs three) serves HTTP, tokenizes, batches and runs the model, so a
     request crosses no process after Serve's HTTP entry (on the CPU machine one request with the forward
     skipped: 1.1 ms fused, 2.6 ms split). The scorer is the same
     `ScorerDeployment` class as in the split topology, built here; this replica takes its `user_config`
     (`reconfigure`), health check and autoscaling metric. The price: tokenizing shares the replica's GIL with
     the forward thread, and HTTP handling scales with GPUs rather than with CPU replicas."""
 
+    topology = "fused"
+
     async def __init__(self, scorer_kwargs: dict, checkpoint: str, **ingress_kwargs):
         from .scorer_deployment import ScorerDeployment
 
+        ray_compat.check()  # before the scorer's warm-up
         self._local = ScorerDeployment.func_or_class(**scorer_kwargs)
         self._direct = {"scorer_calls": 0, "inflight": 0}
         await super().__init__(LocalScorer(self._local), checkpoint, **ingress_kwargs)

@@ -51,6 +51,23 @@ def _import(path: str):
     return getattr(importlib.import_module(mod), attr)
 
 
+def _precision(engine: Any) -> str:
+    """The dtype an engine's forward computes in ("bfloat16", "float16", "float32"): its backend's autocast or
+    compute dtype, else its weights' dtype; an AOT package on CUDA is built in the checkpoint's half dtype."""
+    import torch
+
+    backend = engine.backend
+    dt = getattr(backend, "dtype", None) or getattr(backend, "autocast", None)
+    model = getattr(backend, "model", None)
+    if dt is None and isinstance(model, torch.nn.Module):
+        dt = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+    if dt is None and engine.device.type == "cuda":
+        from model.backends import cuda_amp_dtype
+
+        dt = cuda_amp_dtype(engine.bundle.cfg, engine.device)
+    return str(dt or torch.float32).removeprefix("torch.")
+
+
 def _is_fatal_device_error(exc: BaseException) -> bool:
     text = str(exc)
     return not is_oom(exc) and ("CUDA error" in text or "device-side assert" in text
@@ -85,6 +102,11 @@ class ScorerDeployment:
             self.scorer.engine.backend = _import(backend_wrapper)(self.scorer.engine.backend, self.scorer.engine)
             log.warning("backend wrapped by %s", backend_wrapper)
         self.policy = policy
+        engine = self.scorer.engine
+        # what /info reports, fixed at start (the hash reads the checkpoint's files: not on the event loop later)
+        self._facts = {"checkpoint": os.path.basename(os.path.normpath(engine.path)),
+                       "checkpoint_hash": engine.checkpoint_hash, "dtype": _precision(engine),
+                       "max_len": engine.bundle.max_len, "head_max_len": engine.bundle.head_max_len}
         self.batcher = TokenBatcher(self.scorer.score_rows_async, lambda: self.scorer.budget,
                                     max_wait_s=policy.batch_wait_timeout_s, max_rows=policy.max_batch_rows,
                                     on_batch=self._on_batch)
@@ -202,7 +224,8 @@ class ScorerDeployment:
                     budget=self.scorer.budget, oom_retries=self.scorer.stats.oom_retries)
 
     def info(self) -> dict[str, Any]:
-        """This replica: scorer facts, batching policy and counters, actor name, assigned GPU ids."""
+        """This replica: scorer facts (backend, device, checkpoint name and content hash, dtype, token lengths),
+        batching policy and counters, actor name, assigned GPU ids."""
         import ray
 
         ctx = ray.get_runtime_context()
@@ -212,7 +235,7 @@ class ScorerDeployment:
             gpu_ids = []
         import sys
 
-        return dict(self.scorer.info(), policy=self.policy.model_dump(), batching=self.stats(),
+        return dict(self.scorer.info(), **self._facts, policy=self.policy.model_dump(), batching=self.stats(),
                     gil_switch_interval_s=sys.getswitchinterval(),
                     actor_name=ctx.get_actor_name(), gpu_ids=gpu_ids, ready_s=round(self.ready_s, 3),
                     healthy=self._broken is None)
