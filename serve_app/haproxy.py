@@ -97,8 +97,8 @@ def _die_with_parent() -> None:
         libc.prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG (kept across execve)
     except (OSError, AttributeError):  # not Linux: nothing to ask
         return
-    if os.getppid() == 1:  # the parent died before the request took effect
-        raise SystemExit(0)
+    if os.getppid() == 1:  # the parent died before the request took effect: nobody wants this HAProxy
+        os._exit(0)
 
 
 def main(argv: list[str] | None = None) -> int:
