@@ -107,8 +107,11 @@ def main(argv: list[str] | None = None) -> int:
     if "-f" in args and args.index("-f") + 1 < len(args) and not args[args.index("-f") + 1].endswith(".laya"):
         i = args.index("-f") + 1
         src = args[i]
-        with open(src, encoding="utf-8") as fh:
-            text = rewrite(fh.read())
+        try:
+            with open(src, encoding="utf-8") as fh:
+                text = rewrite(fh.read())
+        except (OSError, UnicodeDecodeError) as e:
+            raise SystemExit("laya-fleet-haproxy: cannot read the HAProxy config %s: %s" % (src, e)) from None
         dst = src + ".laya"
         tmp = "%s.%d.tmp" % (dst, os.getpid())
         with open(tmp, "w", encoding="utf-8") as fh:

@@ -208,6 +208,7 @@ class Ingress:
 
         t0 = time.perf_counter()
         ray_compat.check()  # a Ray without the APIs used here fails now, not on the first request
+        self._err = ray_compat.errors()  # resolved once: the scorer-call path only reads them
         self.scorer = scorer
         self.limits = Limits.model_validate(limits or {})
         self._expected_auth: bytes | None = None
@@ -300,7 +301,7 @@ class Ingress:
 
     async def _score_many(self, groups: list) -> list:
         """One scorer call for several requests' rows; retries when the replica died, maps overload to 503."""
-        err = ray_compat.errors()
+        err = self._err
         ActorDiedError, ActorUnavailableError, RayActorError, RayTaskError = (
             err.ActorDiedError, err.ActorUnavailableError, err.RayActorError, err.RayTaskError)
         BackPressureError, DeploymentUnavailableError, RequestCancelledError = (
@@ -507,7 +508,7 @@ class Ingress:
                         503: {"model": ReadyResponse, "description": "`{\"ready\": false}`, with Retry-After"}})
     async def ready(self):
         """200 `{"ready": true, ...}` when a scorer replica is warm; 503 `{"ready": false}` otherwise."""
-        BackPressureError = ray_compat.errors().BackPressureError
+        BackPressureError = self._err.BackPressureError
 
         resp = self.scorer.stats.remote()
         try:

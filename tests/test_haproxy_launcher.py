@@ -165,3 +165,11 @@ def test_haproxy_dies_with_the_process_that_started_it(tmp_path):
         parent.kill()
         if child and _running(child):
             os.kill(child, 9)
+
+
+def test_an_unreadable_config_is_a_clear_error_not_a_traceback(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "serve_app.haproxy", "-db", "-f", str(tmp_path / "missing.cfg")],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1
+    assert "cannot read the HAProxy config" in r.stderr and "missing.cfg" in r.stderr
+    assert "Traceback" not in r.stderr
