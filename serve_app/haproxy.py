@@ -10,6 +10,9 @@ Pointing `RAY_SERVE_HAPROXY_BINARY_PATH` at this command (in the cluster's envir
   service bound to 127.0.0.1 (configs/local.yaml) opens nothing beyond the machine;
 - `timeout http-request` bounds the time to receive a request's headers (HEADER_TIMEOUT_S): a client that
   trickles its headers gets HAProxy's 408 instead of holding a connection;
+- every replica backend gets `option prefer-last-server`: a keep-alive client's next request goes to the
+  replica that answered its last one while that replica has room. `leastconn` alone rotates a lone client
+  over every replica sharing a GPU, and each switch costs a GPU context switch (BENCHMARKS.md, HTTP serving);
 - HAProxy gets SIGTERM when Ray's HAProxyManager (its parent) dies: otherwise a Ray stopped hard, or a
   `serve run` interrupted, leaves HAProxy behind holding the HTTP port.
 
@@ -42,7 +45,8 @@ def _split_addr(addr: str) -> tuple[str, str]:
 
 def rewrite(config: str, header_timeout_s: int = HEADER_TIMEOUT_S) -> str:
     """`config` (Ray's generated HAProxy config) with the stats and metrics listeners on the HTTP frontend's
-    address when that is loopback, and a header-read timeout in `defaults` unless one is set."""
+    address when that is loopback, a header-read timeout in `defaults` unless one is set, and
+    `option prefer-last-server` in every replica backend."""
     lines = config.split("\n")
     section, frontend_host = None, None
     for line in lines:
@@ -55,6 +59,11 @@ def rewrite(config: str, header_timeout_s: int = HEADER_TIMEOUT_S) -> str:
     for line in lines:
         if line and not line[0].isspace():
             section = line.split()[0:2]
+            if (section[0] == "backend" and section != ["backend", "default_backend"]
+                    and not _has_option(lines, line, "prefer-last-server")):
+                out.append(line)
+                out.append("    option prefer-last-server")
+                continue
         m = _BIND.match(line)
         if (m and frontend_host and _is_loopback(frontend_host)
                 and section in (["frontend", "prometheus"], ["listen", "stats"])):
@@ -65,6 +74,16 @@ def rewrite(config: str, header_timeout_s: int = HEADER_TIMEOUT_S) -> str:
         if line.strip() == "defaults" and "timeout http-request" not in config:
             out.append("    timeout http-request %ds" % header_timeout_s)
     return "\n".join(out)
+
+
+def _has_option(lines: list[str], header: str, option: str) -> bool:
+    """Whether the section starting at line `header` already sets `option <option>`."""
+    i = lines.index(header) + 1
+    while i < len(lines) and (not lines[i] or lines[i][0].isspace()):
+        if lines[i].split()[:2] == ["option", option]:
+            return True
+        i += 1
+    return False
 
 
 def real_binary() -> str:

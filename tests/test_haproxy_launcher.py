@@ -173,3 +173,14 @@ def test_an_unreadable_config_is_a_clear_error_not_a_traceback(tmp_path):
     assert r.returncode == 1
     assert "cannot read the HAProxy config" in r.stderr and "missing.cfg" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_every_replica_backend_keeps_a_client_on_its_last_replica(tmp_path):
+    text = _config("0.0.0.0", tmp_path).replace(
+        "listen stats", "backend http-other\n    server r2 127.0.0.1:30001 check\nlisten stats")
+    out = haproxy.rewrite(text)
+    sections = {s.split("\n", 1)[0]: s for s in ("\n" + out).split("\nbackend ")[1:]}
+    assert "option prefer-last-server" in sections["http-laya"]
+    assert "option prefer-last-server" in sections["http-other"]
+    assert "option prefer-last-server" not in sections["default_backend"]
+    assert haproxy.rewrite(out).count("option prefer-last-server") == 2  # rewriting twice adds nothing
