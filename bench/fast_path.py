@@ -7,6 +7,10 @@ Sections (each timed, each allowed to fail without losing the others; later ones
 the time budget runs out): GEMM sweep + floor, fast build/warm-up, numerics on 64 cases, latency
 workloads, offline throughput, upstream. Writes fast_path_<date>.json (and a PNG when matplotlib
 imports) into --out-dir and prints a table last. `--plot JSON` redraws the PNG from a JSON file.
+
+The sweep's winners never change a product module: the engines this run builds get them as a proposed tuning
+table (`tuning=`), which is printed and, with `--tuning-out FILE`, written in kernels/tuning.json's format, to
+copy over that file when it should become what the forward runs. Candidates: bench/fastpath_sweep.py.
 """
 
 from __future__ import annotations
@@ -28,6 +32,20 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+
+_PROPOSAL: dict = {}   # {"table": kernels.tuning.Tuning}: this run's winners over the committed table
+
+
+def proposal():
+    """The tuning table this run proposes: the committed one plus every winner measured so far."""
+    from kernels.tuning import TABLE
+
+    return _PROPOSAL.setdefault("table", TABLE)
+
+
+def propose(op: str, key: str, cfg) -> None:
+    """Record a measured winner in this run's proposed table (the engines built after it run it)."""
+    _PROPOSAL["table"] = proposal().with_entry(op, key, cfg)
 
 PEAK_BF16 = 989e12  # H100/H200 SXM dense bf16, the MFU denominator
 WORDS = ("order refund late broken invoice payment password login error crash urgent angry happy thanks "
@@ -138,10 +156,13 @@ def section_gemm(res: dict, dims: dict, M: int) -> None:
 
     import torch
 
+    from bench.fastpath_sweep import GEMM_WS, SWEEP_GEGLU, SWEEP_GEMM, gemm_shapes
+    from kernels import _tl
     from kernels import geglu as G
     from kernels import gemm as K
     from kernels import gemm_manual as GM
-    from kernels.precompile import SWEEP_GEGLU, SWEEP_GEMM, gemm_shapes
+    from kernels.tuning import pick_gemm_ws
+    from model.backends.fast.forward import sm_count
 
     d, inter, ffn, L, HL = dims["d"], dims["inter"], dims["ffn"], dims["layers"], dims["head_layers"]
     dev = "cuda"
@@ -176,12 +197,13 @@ def section_gemm(res: dict, dims: dict, M: int) -> None:
                                                          a, w, out, pos, cos, sin, ref_rope))
             except Exception as e:  # a config that does not compile or run is reported, not fatal
                 cands.append({"cfg": cfg.tag(), "error": "%s: %s" % (type(e).__name__, e)})
-        ws = GM.pick(M, N, torch.bfloat16, torch.bfloat16, geglu=name == "wi_geglu", K=Kd)
+        ws = pick_gemm_ws(M, N, torch.bfloat16, torch.bfloat16, name == "wi_geglu", Kd, arch=_tl.target()["arch"],
+                          sms=sm_count(), table=proposal())
         # what the forward runs on Hopper for this many rows (kernels/gemm_manual.py), then the form's default and its
         # alternatives (each once: every plain config is timed on every plain product)
         alts = [] if ws is None else [ws] + [replace(c, persistent=ws.persistent) for c in
                                              ((GM.GEGLU if name == "wi_geglu" else GM.GEMM),)
-                                             + GM.ALTERNATIVES[name == "wi_geglu"]]
+                                             + GEMM_WS[name == "wi_geglu"]]
         for alt in list({c.tag(): c for c in alts}.values()):
             tag = "ws:" + alt.tag()
             try:
@@ -196,22 +218,22 @@ def section_gemm(res: dict, dims: dict, M: int) -> None:
         ok = [c for c in cands if "ms" in c and c["rel_err"] < 2e-2]
         best = min(ok, key=lambda c: c["ms"]) if ok else None
         manual = [c for c in ok if c.get("manual")]
-        ok = [c for c in ok if not c.get("manual")]   # TUNED holds the auto-specialised kernels' tiles
+        ok = [c for c in ok if not c.get("manual")]   # the gemm / geglu tables hold the auto-specialised tiles
         ok_rope = [c for c in ok if c.get("rope_rel_err", 1.0) < 2e-2]
         use = min(ok_rope, key=lambda c: c["rope_ms"]) if ok_rope else min(ok, key=lambda c: c["ms"]) if ok else None
         if use is not None:
-            (G.TUNED if name == "wi_geglu" else K.TUNED)[(N, Kd)] = use["_cfg"]
+            propose("geglu" if name == "wi_geglu" else "gemm", "%dx%d" % (N, Kd), use["_cfg"])
         # the fastest manual config is what the forward (engines built after this section) runs: per product (Wqkv by
         # its time with the RoPE epilogue); the plain config summed fastest over the encoder's products serves any
         # plain product not timed here
         chosen = use
         if manual and name == "wi_geglu":
             chosen = min(manual, key=lambda c: c["ms"])
-            GM.TUNED[True] = chosen["_ws"]
+            propose("gemm_ws", "geglu", chosen["_ws"])
         elif manual:
             timed = [c for c in manual if name != "wqkv" or "rope_ms" in c] or manual
             chosen = min(timed, key=lambda c: c.get("rope_ms", c["ms"]) if name == "wqkv" else c["ms"])
-            GM.TUNED[(False, N, Kd)] = chosen["_ws"]
+            propose("gemm_ws", "gemm:%dx%d" % (N, Kd), chosen["_ws"])
             for c in manual:
                 if name in ("wqkv", "wo", "wo_mlp") and ("rope_ms" in c or name != "wqkv"):
                     plain_total.setdefault(c["cfg"], [c["_ws"], 0.0, 0])
@@ -230,7 +252,7 @@ def section_gemm(res: dict, dims: dict, M: int) -> None:
                                                              best and "%.0f TF/s (%s)" % (best["tflops"], best["cfg"])))
     full = [v for v in plain_total.values() if v[2] == 3]
     if len(full) > 1:
-        GM.TUNED[False] = min(full, key=lambda v: v[1])[0]
+        propose("gemm_ws", "gemm", min(full, key=lambda v: v[1])[0])
     # GEMM floor: every matmul of encoder + head + scorer at torch.matmul speed, per token at this M
     counts = {"wqkv": L, "wo": L, "wi_geglu": L, "wo_mlp": L, "head_ffn1": HL, "head_ffn2": HL}
     floor_ms = sum(r["torch_ms"] * counts[r["name"]] for r in rows)
@@ -240,7 +262,7 @@ def section_gemm(res: dict, dims: dict, M: int) -> None:
         w = torch.randn(N, Kd, device=dev).bfloat16()
         floor_ms += c * bench_gpu(lambda a=a, w=w: torch.matmul(a, w.t()))
     res["gemm"] = {"M": M, "shapes": rows, "floor_ms": floor_ms, "floor_tok_s": M / floor_ms * 1e3,
-                   "tuned": {"%dx%d" % k: v.tag() for k, v in {**K.TUNED, **G.TUNED}.items()}}
+                   "tuned": {k: v.tag() for k, v in {**proposal().gemm, **proposal().geglu}.items()}}
     log("GEMM floor at M=%d: %.2f ms -> %.0f tok/s" % (M, floor_ms, M / floor_ms * 1e3))
 
 
@@ -251,9 +273,9 @@ def section_attention(res: dict, heads: int, layers: int, global_every: int = 3,
 
     The candidates run in a child process (`--attention-child`), so one that faults the GPU or hangs costs
     its own row, not the benchmark: a child that dies is restarted after the candidate it was on."""
-    from kernels import attention as A
+    from bench.fastpath_sweep import ATTENTION
 
-    by_tag = {c.tag(): c for c in A.CANDIDATES if c.tag() not in skip}
+    by_tag = {c.tag(): c for c in ATTENTION if c.tag() not in skip}
     todo, got = list(by_tag), {}
     while todo:
         cmd = [sys.executable, os.path.abspath(__file__), "--attention-child", ",".join(todo),
@@ -288,11 +310,11 @@ def section_attention(res: dict, heads: int, layers: int, global_every: int = 3,
 def section_add_ln(res: dict, d: int, M: int) -> None:
     """add+LayerNorm ("add" mode, the encoder's) per candidate config at M rows: checked against the reference on
     every row, timed, bandwidth (12 bytes per element: X read and written fp32, R read and Y written bf16); the
-    fastest correct one goes to layernorm.TUNED for the engines built after it."""
+    fastest correct one goes to this run's proposed tuning table for the engines built after it."""
     import torch
 
+    from bench.fastpath_sweep import SWEEP_LN
     from kernels import layernorm as L
-    from kernels.precompile import SWEEP_LN
 
     dev = "cuda"
     x0 = torch.randn(M, d, device=dev) * 30
@@ -318,7 +340,7 @@ def section_add_ln(res: dict, d: int, M: int) -> None:
     ok = [c for c in rows if "ms" in c and c["rel_err"] < 1e-2]
     best = min(ok, key=lambda c: c["ms"]) if ok else None
     if best is not None:
-        L.TUNED[d] = best["_cfg"]
+        propose("add_ln", str(d), best["_cfg"])
     for c in rows:
         c.pop("_cfg", None)
     default = L.default_config(d).tag()
@@ -332,10 +354,11 @@ def attention_child(tags: list[str], heads: int, layers: int, global_every: int 
     """Check and time the attention candidates `tags` in order, printing one `ATTN {json}` line each."""
     import torch
 
+    from bench.fastpath_sweep import ATTENTION
     from kernels import attention as A
-    from kernels.forward import row_capacity
+    from model.backends.fast import row_capacity
 
-    by_tag = {c.tag(): c for c in A.CANDIDATES}
+    by_tag = {c.tag(): c for c in ATTENTION}
     dev = "cuda"
     rng = np.random.default_rng(0)
 
@@ -414,7 +437,7 @@ def make_engines(ckpt: str, which: list[str], max_tokens: int, device: str = "cu
     for name in which:
         t = time.perf_counter()
         if name in ("fast", "fast16"):
-            extra = {"ops": "torch"} if device == "cpu" else {}
+            extra = {"ops": "torch"} if device == "cpu" else {"tuning": proposal()}
             if attn_cfg is not None:
                 extra["attn_cfg"] = attn_cfg
             if name == "fast16":
@@ -458,7 +481,7 @@ def probs(logits: np.ndarray, rows) -> list[np.ndarray]:
 
 def forward_batched(eng, rows, budget: int = 32768) -> tuple[np.ndarray, np.ndarray]:
     """Backend forward over rows in token-budget micro-batches (padded cost for padded backends)."""
-    from serve_app.batching import plan
+    from serve_app.scorer import plan
 
     packed = bool(getattr(eng.backend, "packed", False))
     K = max(len(r.markers) for r in rows)
@@ -575,8 +598,8 @@ def section_latency(res: dict, engines: dict, wl: dict) -> None:
 def encode_probe(res: dict, engines: dict, wl: dict, when: str) -> None:
     """How long the fast engine takes to tokenise the 10 x 3 @ 512 states at this point of the run (`encode_many`,
     and the Rust tokenizer's batch call alone on the same 10 texts), and how many objects the garbage collector
-    tracks: the same call took 4.3-4.8 ms late in this benchmark and 2.4-3.2 ms in a clean process (tenth session),
-    so each section's effect is recorded."""
+    tracks: the same call runs slower late in this benchmark than in a clean process, so each section's effect is
+    recorded."""
     import gc
     import threading
 
@@ -955,29 +978,31 @@ def main(argv=None) -> int:
     ap.add_argument("--attention-child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--skip-attention", default="", help="attention candidate tags (comma-separated) not to run")
     ap.add_argument("--skip-manual", default="",
-                    help="tags of kernels/gemm_manual.py ALTERNATIVES (comma-separated) not to time or run")
+                    help="tags of bench/fastpath_sweep.py GEMM_WS alternatives (comma-separated) not to time or run")
+    ap.add_argument("--tuning-out", default=None, metavar="FILE",
+                    help="write this run's proposed tuning table (kernels/tuning.json's format) to FILE")
     ap.add_argument("--heads", type=int, default=16, help=argparse.SUPPRESS)
     ap.add_argument("--layers", type=int, default=28, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     sections = ("gemm", "add_ln", "attention", "numerics", "latency", "profile", "offline", "hf", "upstream")
     skip_attn = [t for t in a.skip_attention.split(",") if t]
     if skip_attn:   # a misspelt tag would silently run its candidate
-        from kernels.attention import CANDIDATES
+        from bench.fastpath_sweep import ATTENTION
 
-        tags = [c.tag() for c in CANDIDATES]
+        tags = [c.tag() for c in ATTENTION]
         bad = [t for t in skip_attn if t not in tags]
         if bad:
             ap.error("--skip-attention: unknown %s (candidates: %s)" % (", ".join(bad), ", ".join(tags)))
     skip_manual = [t for t in a.skip_manual.split(",") if t]
     if skip_manual:
-        from kernels import gemm_manual as GM
+        from bench.fastpath_sweep import GEMM_WS
 
-        tags = [c.tag() for alts in GM.ALTERNATIVES.values() for c in alts]
+        tags = [c.tag() for alts in GEMM_WS.values() for c in alts]
         bad = [t for t in skip_manual if t not in tags]
         if bad:
             ap.error("--skip-manual: unknown %s (alternatives: %s)" % (", ".join(bad), ", ".join(tags)))
-        for g, alts in GM.ALTERNATIVES.items():   # this process only: the forward never meets them either
-            GM.ALTERNATIVES[g] = tuple(c for c in alts if c.tag() not in skip_manual)
+        for g, alts in GEMM_WS.items():   # the candidates this run times (a benchmark's own list)
+            GEMM_WS[g] = tuple(c for c in alts if c.tag() not in skip_manual)
     if any(x not in sections for x in a.skip):  # a misspelt section would silently run
         ap.error("--skip: unknown %s (use %s)" % (", ".join(x for x in a.skip if x not in sections),
                                                  ", ".join(sections)))
@@ -1005,8 +1030,10 @@ def main(argv=None) -> int:
                      ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()}
     try:
         from kernels import _tl
+        from model.backends.fast import configure_tilelang
 
-        res["tilelang"] = _tl.tl()[0].__version__   # through _tl: it points the kernel cache first
+        configure_tilelang()   # the node-local kernel cache the fast backend uses
+        res["tilelang"] = _tl.tl()[0].__version__
     except ImportError:
         res["tilelang"] = None
     os.makedirs(a.out_dir, exist_ok=True)
@@ -1024,7 +1051,7 @@ def main(argv=None) -> int:
             warnings.simplefilter("ignore")
             make_checkpoint(a.ckpt, a.make, seed=0)
         log("checkpoint %s in %.1fs" % (a.make, time.perf_counter() - t))
-    from kernels.forward import flops_per_token
+    from model.backends.fast import flops_per_token
     from model.bundle import open_bundle
 
     b = None
@@ -1114,6 +1141,14 @@ def main(argv=None) -> int:
     res["png"] = png if plot(res, png) else None
     save()
     print(table(res))
+    res["tuning"] = proposal().as_dict()
+    print("proposed kernels/tuning.json:\n%s" % json.dumps(res["tuning"], indent=1))
+    if a.tuning_out:
+        with open(a.tuning_out, "w") as fh:
+            json.dump(res["tuning"], fh, indent=1)
+            fh.write("\n")
+        print("wrote %s (copy it over kernels/tuning.json to make the forward run it)" % a.tuning_out)
+    save()
     if res.get("errors"):
         print("errors in: %s" % ", ".join(res["errors"]))
     return 0

@@ -1,11 +1,14 @@
 """Lazy TileLang access shared by every kernel file: cache location, target, compile and a kernel memo.
 
-Nothing here imports tilelang at module import time, so the CPU test suite runs without it. The first
-call to `tl()` points TileLang's kernel cache at `model.cache.local_dir("tilelang")` and then imports it.
+Nothing here imports tilelang at module import time, so the CPU test suite runs without it. The caller
+(the fast backend, the precompile command) says where the kernel cache lives and which GPU architecture to
+build for with `configure(cache_dir=..., arch=...)`; kernels read no environment variable of this project.
 """
 
 from __future__ import annotations
 
+import glob
+import hashlib
 import json
 import logging
 import os
@@ -30,6 +33,50 @@ _lock = threading.RLock()
 _kernels: dict[tuple, Any] = {}
 _building: dict[tuple, threading.Lock] = {}
 _mod: tuple[Any, Any] | None = None
+_config: dict[str, str | None] = {"cache_dir": None, "arch": None}
+
+
+def configure(cache_dir: str | None = None, arch: str | None = None) -> dict[str, str | None]:
+    """Set TileLang's kernel cache directory and the target arch (`sm_90a`; None: the visible GPU's, else
+    sm_90a); returns the previous settings. A cache dir set after tilelang's import still applies: tilelang
+    reads its variable on every cache access."""
+    with _lock:
+        old = dict(_config)
+        _config.update(cache_dir=cache_dir, arch=arch)
+        if cache_dir:
+            os.environ["TILELANG_CACHE_DIR"] = cache_dir
+        return old
+
+
+def settings() -> dict[str, str | None]:
+    """The current `configure` values (cache_dir, arch)."""
+    return dict(_config)
+
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+# files that only choose tile configs: kernel names carry every config, so editing them keeps every build valid
+NOT_KERNEL_CODE = ("__init__.py", "tuning.py")
+
+
+def source_files() -> list[str]:
+    """The kernels/ sources whose code becomes kernel code (every file but the tuning table)."""
+    return sorted(f for f in glob.glob(os.path.join(_HERE, "*.py")) if os.path.basename(f) not in NOT_KERNEL_CODE)
+
+
+_fingerprint: str | None = None
+
+
+def source_fingerprint() -> str:
+    """12 hex digits of sha256 over `source_files()`: a changed kernel builder never loads an old build."""
+    global _fingerprint
+    if _fingerprint is None:
+        h = hashlib.sha256()
+        for f in source_files():
+            h.update(os.path.basename(f).encode() + b"\0")
+            with open(f, "rb") as fh:
+                h.update(fh.read())
+        _fingerprint = h.hexdigest()[:12]
+    return _fingerprint
 
 
 def available() -> tuple[bool, str]:
@@ -42,15 +89,10 @@ def available() -> tuple[bool, str]:
 
 
 def tl() -> tuple[Any, Any]:
-    """The (tilelang, tilelang.language) modules, importing them on first use with our cache dir."""
+    """The (tilelang, tilelang.language) modules, importing them on first use (after `configure`)."""
     global _mod
     with _lock:
         if _mod is None:
-            from model.cache import local_dir
-
-            # tilelang 0.1.15 reads this variable on every cache access, so setting it works even
-            # when someone imported tilelang before us
-            os.environ["TILELANG_CACHE_DIR"] = local_dir("tilelang")
             os.environ.setdefault("TILELANG_PRINT_ON_COMPILATION", "0")
             if "CUDA_HOME" not in os.environ and os.path.isdir("/usr/local/cuda"):
                 # the nvcc on PATH can be a shell shim that makes tilelang guess a wrong CUDA_HOME
@@ -63,8 +105,8 @@ def tl() -> tuple[Any, Any]:
 
 
 def target() -> dict:
-    """The compile target: the current CUDA device's arch (sm_90a on Hopper), else $LAYA_FLEET_TL_ARCH or sm_90a."""
-    arch = os.environ.get("LAYA_FLEET_TL_ARCH")
+    """The compile target: the configured arch, else the current CUDA device's (sm_90a on Hopper), else sm_90a."""
+    arch = _config["arch"]
     if not arch:
         import torch
 
@@ -123,19 +165,14 @@ INDEX_DIR = "laya_index"
 def index_path(name: str, tgt: dict, fast_math: bool) -> str:
     """Where the index entry of kernel `name` lives: under TileLang's cache dir, keyed by name, target, fast
     math, tilelang version and the kernel sources, so it travels with the kernels it points at."""
-    import hashlib
-
-    from model.cache import code_fingerprint  # the kernel builders: a changed builder never loads an old kernel
-
     tilelang, _ = tl()
-    key = json.dumps([name, tgt, bool(fast_math), tilelang.__version__, code_fingerprint("kernels")],
-                     sort_keys=True)
-    root = os.environ.get("TILELANG_CACHE_DIR") or os.path.expanduser("~/.tilelang/cache")
+    key = json.dumps([name, tgt, bool(fast_math), tilelang.__version__, source_fingerprint()], sort_keys=True)
+    root = _config["cache_dir"] or os.environ.get("TILELANG_CACHE_DIR") or os.path.expanduser("~/.tilelang/cache")
     return os.path.join(root, INDEX_DIR, hashlib.sha256(key.encode()).hexdigest()[:40] + ".json")
 
 
 def _load_indexed(index: str, tgt: dict, cfg: dict | None) -> Any:
-    if os.environ.get("LAYA_FLEET_TL_INDEX", "1") == "0" or not os.path.isfile(index):
+    if not os.path.isfile(index):
         return None
     try:
         import tvm

@@ -29,28 +29,11 @@ class AttnConfig:
     bn: int = 64
     stages: int = 1
     threads: int = 128
-    # guard: load the Q tile only for tiles that hold queries, so padding tiles run no key block at
-    # all (unguarded, every tile runs at least one, because a block must not exit with its Q copy
-    # still in flight)
-    guard: bool = False
-    # ws: TileLang's automatic producer/consumer warp specialisation on Hopper (an extra producer warpgroup
-    # issues the TMA loads; consumers take 240 registers each, so one 128-thread block fills an SM's
-    # register file). ws=False leaves the pipeline to cp.async/TMA in the same threads and lets several
-    # blocks share an SM, so one block's softmax overlaps another's tensor-core work.
-    ws: bool = True
-    # lean: less work per score on the CUDA cores, which bound this kernel at head dim 64 (per 64 x 64 block the
-    # two products are ~512 tensor-core cycles, the softmax ~15 instructions a score): the masks run only on key
-    # blocks that cross the row's end or the window's edge (a block-uniform test), the 1/sqrt(d) * log2(e) scale
-    # folds into the exponent (one FFMA: exp2(s * c - m * c), the running max kept in raw units), and the QK^T
-    # product overwrites its accumulator instead of a separate clear
-    lean: bool = False
-    # occupancy: > 0 asks ptxas for that many blocks an SM (__launch_bounds__'s second argument), capping the
-    # registers a thread at 65536 / (occupancy * threads); the unspecialised kernels take ~106 (four blocks an SM)
-    occupancy: int = 0
-    # overlap: FA3's intra-warpgroup pipelining, written out (build_attention_overlap): K and V double-buffered
-    # through TMA and mbarriers, key block j's QK^T issued together with block j-1's PV, and block j's softmax run
-    # while that PV is still on the tensor cores; one block-wide sync a key block instead of four
-    overlap: bool = False
+    guard: bool = False   # load the Q tile only for tiles that hold queries: padding tiles run no key block
+    ws: bool = True       # TileLang's automatic warp specialisation; False lets several blocks share an SM
+    lean: bool = False    # masks only on edge key blocks, the softmax scale folded into the exponent
+    occupancy: int = 0    # > 0: ask ptxas for that many blocks an SM (__launch_bounds__), capping registers
+    overlap: bool = False  # FA3-style: block j's QK^T and softmax overlap block j-1's PV (build_attention_overlap)
 
     def tag(self) -> str:
         """A short text form, e.g. 64x64s1t128 (g suffix when guarded, n when not warp-specialised, l lean, oN
@@ -62,39 +45,12 @@ class AttnConfig:
 
 
 UNGUARDED = AttnConfig()
-# The fastest of CANDIDATES on an H200 (bench/fast_path.py, 2026-11-29, seventh session): 0.61 ms full / 0.48 ms
-# window over 64k packed tokens, against 1.27 / 1.06 for the warp-specialised 64x64s2t128g (the previous
-# default) and 1.86 / 1.45 for UNGUARDED: without warp specialisation a block takes 117-128 registers a thread
-# (ptxas) instead of 240 plus a producer warpgroup, so four blocks share an SM and overlap each other's softmax
-# and tensor-core work.
-# Not candidates: the same kernels software-pipelined (stages=2 without warp specialisation) passed a small
-# check but gave wrong output on the 64k-token one (bench/fast_path.py's sweep, err inf), and their full-attention
-# form only compiles with a start that is not a static 0.
-# The eleventh session's default was that kernel made lean (masks only on edge blocks, the scale folded into
-# the exponent, no separate clear): 0.590 / 0.464 ms against 0.610 / 0.475, 15.43 against 15.87 ms a forward,
-# the same error (H200, bench/fast_path.py's sweep).
-# The default since the twelfth session is the lean kernel overlapped (build_attention_overlap): 0.407 / 0.307 ms
-# against 0.593 / 0.466 for LEAN in the same run, 10.41 against 15.51 ms a forward, the same error; the offline chunk
-# went from 17.7 to 11.6 ms of attention. LEAN at occupancy 5 (95 registers, 120 bytes spilled) measured the same as
-# LEAN (15.58 ms a forward).
 WARP_SPECIALISED = AttnConfig(stages=2, guard=True)
 UNSPECIALISED = AttnConfig(guard=True, ws=False)
 LEAN = AttnConfig(guard=True, ws=False, lean=True)
 OVERLAP = AttnConfig(guard=True, ws=False, lean=True, overlap=True)
+# the fastest correct kernel of the sweep (bench/fastpath_sweep.py; see BENCHMARKS.md, "GPU fast path")
 DEFAULT = OVERLAP
-CANDIDATES = (UNGUARDED, AttnConfig(guard=True), WARP_SPECIALISED,
-              AttnConfig(bm=128, bn=64, stages=2, threads=256, guard=True),
-              AttnConfig(bm=128, bn=128, stages=2, threads=256, guard=True),
-              UNSPECIALISED, AttnConfig(bn=128, guard=True, ws=False),
-              LEAN, AttnConfig(bn=128, guard=True, ws=False, lean=True),
-              AttnConfig(guard=True, ws=False, lean=True, occupancy=5), OVERLAP)
-# Measured and dropped (ninth session, H200):
-# - a windowed layer's query tile taking its 192 keys as one block (one QK^T, a plain softmax, one PV; 188 registers,
-#   so two blocks an SM): window 0.557 ms against 0.477 for UNSPECIALISED's three-block loop at four blocks an SM
-#   (bench/results/fast_path_h200_one_pass.json);
-# - 128 query rows unspecialised (two warpgroups of 64 sharing each K/V tile, so a sliding window reads 256 keys per
-#   128 queries instead of 192 per 64): 24.6 ms a forward at bn=64 and 37.6 at bn=128, against UNSPECIALISED's 15.9 (two
-#   blocks an SM instead of four, and a longer tail per row).
 
 
 def tile_table(lengths, bm: int, capacity: int | None = None, empty_row: int | None = None) -> np.ndarray:
@@ -454,6 +410,6 @@ def attention_flops(lengths, heads: int, window: int = 0) -> float:
     return total
 
 
-__all__ = ["AttnConfig", "DEFAULT", "LEAN", "OVERLAP", "UNSPECIALISED", "UNGUARDED", "WARP_SPECIALISED", "CANDIDATES",
+__all__ = ["AttnConfig", "DEFAULT", "LEAN", "OVERLAP", "UNSPECIALISED", "UNGUARDED", "WARP_SPECIALISED",
            "HEAD_DIM", "tile_table", "attention_ref", "attention_dense", "build_attention", "build_attention_overlap",
            "check_overlap_config", "attention_kernel", "attention", "attention_flops"]

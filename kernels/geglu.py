@@ -38,15 +38,13 @@ class GegluConfig:
 
 
 SMALL = GegluConfig(bm=64, bn=64, bk=128, stages=3, threads=128)
-# stages=4 won the sweep on an H200 in both runs of 2026-11-29 (538 vs 537 and 558 vs 527 TFLOP/s)
-LARGE = GegluConfig(bm=128, bn=128, bk=64, stages=4, threads=256)
-# Per-(F, K) configs for large M, filled from a measured sweep (bench/fast_path.py prints the winners).
-TUNED: dict[tuple[int, int], GegluConfig] = {}
+LARGE = GegluConfig(bm=128, bn=128, bk=64, stages=4, threads=256)   # the sweep winner: BENCHMARKS.md
 
 
-def pick_config(M: int, Fd: int, K: int) -> GegluConfig:
-    """The tile config for an M-row GeGLU of width F over K: SMALL for few rows, else tuned or LARGE."""
-    return SMALL if M <= SMALL_M else TUNED.get((Fd, K), LARGE)
+def default_config(M: int) -> GegluConfig:
+    """The untuned tile config of an M-row GeGLU: SMALL for few rows, else LARGE (kernels/tuning.py's
+    `pick_geglu` prefers a measured winner)."""
+    return SMALL if M <= SMALL_M else LARGE
 
 
 def geglu_ref(a: torch.Tensor, wi: torch.Tensor) -> torch.Tensor:
@@ -115,11 +113,11 @@ def geglu(a: torch.Tensor, wi: torch.Tensor, out: torch.Tensor | None = None,
     """Run the TileLang GeGLU on CUDA tensors; returns `out` (allocated when None)."""
     M, K = a.shape
     Fd = wi.shape[0] // 2
-    cfg = cfg or pick_config(M, Fd, K)
+    cfg = cfg or default_config(M)
     if out is None:
         out = torch.empty(M, Fd, dtype=a.dtype, device=a.device)
     geglu_kernel(Fd, K, cfg, a.dtype)(a, wi, out)
     return out
 
 
-__all__ = ["GegluConfig", "SMALL", "LARGE", "TUNED", "pick_config", "geglu_ref", "build_geglu", "geglu_kernel", "geglu"]
+__all__ = ["GegluConfig", "SMALL", "LARGE", "default_config", "geglu_ref", "build_geglu", "geglu_kernel", "geglu"]

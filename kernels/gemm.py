@@ -28,13 +28,10 @@ class GemmConfig:
     threads: int = 256
     full_row: bool = True   # GemmWarpPolicy.FullRow: each warpgroup owns 64 rows x the whole block_N
     # persistent > 0: that many blocks (one per SM) loop over the output tiles (T.Persistent), so the
-    # TMA producer loads the next tile while the consumers run this tile's epilogue (a sweep candidate: no
-    # gain on the H200 for this model's GEMMs, BENCHMARKS.md eighth session)
+    # TMA producer loads the next tile while the consumers run this tile's epilogue
     persistent: int = 0
-    # ws=False: no producer warpgroup (TileLang's warp specialisation off); the same threads issue the cp.async
-    # loads of a software pipeline, so a block needs far fewer registers (96 at 128x128x64) and two share an SM, one's
-    # epilogue overlapping the other's main loop (what won for attention). A sweep candidate: 480-530 TF/s against
-    # 580-680 warp-specialised on the H200 (ninth session)
+    # ws=False: no producer warpgroup; the same threads issue a software pipeline's cp.async loads, so a block
+    # needs fewer registers and two share an SM (see BENCHMARKS.md, "GPU fast path")
     ws: bool = True
 
     def tag(self) -> str:
@@ -51,17 +48,14 @@ NARROW = GemmConfig(bm=128, bn=64, bk=64, stages=3, threads=256)   # N <= 64 (th
 SMALL_M = 256   # token buckets up to this many rows use SMALL tiles (more blocks for few tokens)
 
 
-# Per-(N, K) configs for large M, filled from a measured sweep (bench/fast_path.py prints the winners).
-TUNED: dict[tuple[int, int], GemmConfig] = {}
-
-
-def pick_config(M: int, N: int, K: int | None = None) -> GemmConfig:
-    """The tile config for an M x N (x K) product: NARROW for tiny N, SMALL for few rows, else tuned or LARGE."""
+def default_config(M: int, N: int) -> GemmConfig:
+    """The untuned tile config of an M x N product: NARROW for tiny N, SMALL for few rows, else LARGE
+    (kernels/tuning.py's `pick_gemm` prefers a measured winner)."""
     if N <= 64:
         return NARROW
     if M <= SMALL_M:
         return SMALL
-    return TUNED.get((N, K), LARGE)
+    return LARGE
 
 
 def gemm_ref(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, act: str = "none",
@@ -93,12 +87,7 @@ def build_gemm(N: int, K: int, bias: bool = False, act: str = "none", cfg: GemmC
 
     rope_cols > 0 (Wqkv: 2 * hidden, the Q and K heads) adds Pos[M] i32, Cos[P,32] f32, Sin[P,32] f32 and
     rotates every 64-column head below rope_cols in the epilogue, exactly as kernels/rope.py does to the
-    stored output (the rounded value, fp32 math): the packed QKV makes no second trip through memory, though the
-    rotation, after the main loop and not overlapped with it, still costs ~16% of the GEMM (H200, 65k rows).
-
-    Tried and dropped (tenth session, commit fd674c5): each head as two 32-column halves in two accumulators (a
-    reordered weight), so the rotation runs in registers before rounding. Correct, but TileLang then waits for each
-    half's wgmma batch before issuing the other's: 824 against 748 us at M = 65536, 195 against 173 at 15360."""
+    stored output (the rounded value, fp32 math), so the packed QKV makes no second trip through memory."""
     if act not in ACTS:
         raise ValueError("act must be one of %s, got %r" % (ACTS, act))
     if cfg.bn % 16 or cfg.bk % 16:
@@ -128,9 +117,8 @@ def build_gemm(N: int, K: int, bias: bool = False, act: str = "none", cfg: GemmC
         T.copy(C_l, C_s)
         if rope_cols:
             if bx * bn < rope_cols:
-                # Q / K heads: rotate the staged tile into a second buffer, then one bulk store. Rotating C_s in
-                # place made TileLang put two barriers in every step of this loop (the epilogue then cost ~24% of
-                # the GEMM on the H200, ~16% with the second buffer).
+                # Q / K heads: rotate the staged tile into a second buffer, then one bulk store (rotating C_s in
+                # place makes TileLang put two barriers in every step of this loop)
                 for i, h, d in T.Parallel(bm, bn // 64, 32):
                     p = Pos[T.min(by * bm + i, M - 1)]   # rows past M are never stored
                     x0 = T.Cast(F32, C_s[i, h * 64 + d])
@@ -196,7 +184,7 @@ def gemm(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, act
     """Run the TileLang GEMM on CUDA tensors; returns `out` (allocated when None)."""
     M, K = a.shape
     N = w.shape[0]
-    cfg = cfg or pick_config(M, N, K)
+    cfg = cfg or default_config(M, N)
     if out is None:
         out = torch.empty(M, N, dtype=a.dtype, device=a.device)
     b = bias if bias is not None else _zeros(N, a.device)
@@ -220,6 +208,5 @@ def gemm_flops(M: int, N: int, K: int) -> float:
     return 2.0 * M * N * K
 
 
-__all__ = ["GemmConfig", "SMALL", "LARGE", "NARROW", "SMALL_M", "TUNED", "pick_config", "gemm_ref", "build_gemm",
-           "gemm_kernel", "gemm", "gemm_flops",
-           "apply_act"]
+__all__ = ["GemmConfig", "SMALL", "LARGE", "NARROW", "SMALL_M", "default_config", "gemm_ref", "build_gemm",
+           "gemm_kernel", "gemm", "gemm_flops", "apply_act"]

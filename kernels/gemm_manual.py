@@ -1,71 +1,27 @@
 """Hopper GEMMs with hand-written warp specialisation: C[M,N] = act(A[M,K] @ W[N,K]^T + bias) (16-bit in/out,
 fp32 accumulation), optionally with Wqkv's RoPE in the epilogue, or ModernBERT's GeGLU (two accumulators from one A
-tile). What the forward (kernels/forward.py) runs on sm_90a for more than gemm.SMALL_M rows (`pick`;
-LAYA_FLEET_MANUAL_GEMM=0 goes back to kernels/gemm.py and kernels/geglu.py).
+tile). The fast forward runs these on sm_90a for more than gemm.SMALL_M rows (kernels/tuning.py's `pick_gemm_ws`).
 
-Why by hand: TileLang's automatic warp specialisation (kernels/gemm.py) waits for every wgmma batch with
-`warpgroup_wait<0>` before it releases the shared-memory stage, refuses delayed waits ("AutoWarpSpecialization
-skipped: gemm with wg_wait != 0"), and its persistent form (T.Persistent) did not overlap a tile's epilogue with the
-next tile's loads on the H200. Here, CUTLASS's "warp-specialised cooperative" schedule is written out:
+Written by hand because TileLang's automatic warp specialisation waits for every wgmma batch before releasing a
+shared-memory stage and does not overlap a tile's epilogue with the next tile's loads. The schedule is CUTLASS's
+"warp-specialised cooperative" one:
 
-* warpgroup 0 (threads 0-127) is the producer: `setmaxnreg` down to `PRODUCER_REGS`, and for each k-step it
-  waits for the stage's `empty` mbarrier, then issues the TMA loads of A (two halves, one per consumer) and W
-  (both halves of Wi for GeGLU) into that stage and arrives on its `full` mbarrier (expect_tx accounts the bytes);
-* warpgroups 1 and 2 are consumers, `setmaxnreg` up to `CONSUMER_REGS`, each owning bm/2 rows x bn columns of
-  the tile in an fp32 fragment (two for GeGLU). Each k-step: wait `full[s]`, issue the async wgmma batch for stage
-  s, then (inflight=1) `wgmma.wait_group 1` (the PREVIOUS batch only) and release the previous stage's `empty`
-  barrier, or (inflight=0) wait for this batch and release its stage at once;
-* epilogue per consumer: bias / activation / GELU x gate on the fragment, fragment -> 16-bit shared tile -> TMA
-  store (it clips rows >= M and columns >= N at the tensor bound, and TMA loads zero-fill past M and K, so any
-  runtime M works). The RoPE form rotates each Q/K head from its rounded value with fp32 math (as kernels/rope.py
-  does to the stored output), in registers before staging (`rope_regs`, the default: a head's columns d and d + 32
-  sit in one thread) or in the staged tile; each tile's cosines and sines are loaded into registers before its main
-  loop (0.722 -> 0.691 ms at 65536 rows, eleventh session; in registers 0.650 against 0.672, twelfth).
-  GeGLU's default `joint` form loads both halves' W tiles into one 2 * bn-row stage tile and runs one n=256 wgmma a
-  k-step (GELU half in accumulator columns < bn, gate half above; paired in registers).
+* warpgroup 0 is the producer (`setmaxnreg` down to `PRODUCER_REGS`): per k-step it waits for the stage's `empty`
+  mbarrier, issues the TMA loads of A (one half per consumer) and W, and arrives on its `full` mbarrier;
+* warpgroups 1 and 2 are consumers (`setmaxnreg` up to `CONSUMER_REGS`), each owning bm/2 rows x bn columns in an
+  fp32 fragment (two for GeGLU): wait `full[s]`, issue the wgmma batch, release the stage (`inflight` says when);
+* the epilogue (bias, activation, GELU x gate, RoPE) runs on the fragment, stages a 16-bit tile and stores it by
+  TMA, which clips rows >= M and columns >= N, so any runtime M works.
 
-`persistent > 0` launches that many blocks (one per SM; `pick` uses the device's SM count) that walk the output
-tiles in row-major tile order (tile t -> row block t // nbn, column block t % nbn, so a wave shares W in L2); the
-stage ring runs on across tiles, so the producer loads the next tile while the consumers run this tile's epilogue.
-Its staging tile cannot share memory with the ring (the producer is already filling it): a whole 16-bit tile fits
-beside a 3-stage 128x256x64 ring (and beside GeGLU's 4-stage 128x128x64 one); with a 4-stage 128x256x64 ring the
-output goes out 64 columns (one head) at a time through a double buffer.
-
-Non-persistent, the C staging tile of consumer g aliases that consumer's A half-ring (`stages * bk == bn`,
-e.g. 128x256x64 with 4 stages): once the consumer has waited for its last batch, every load into its A
-half-ring has landed and been read, so the memory is free. (`GemmWSConfig.epilogue` picks the variant.)
-
-2-CTA clusters (`cluster=2`, the default since the thirteenth session for GeGLU and the products of at least
-`CLUSTER_MIN_N` columns; `pick` runs the N = 1024 ones in one block): the persistent blocks run in pairs on an SM
-pair, each pair on two adjacent row blocks of one column block, in step. The first block of a pair issues each W
-tile's TMA load once, multicast into both blocks' shared memory (each block's own `full` barrier counts the bytes);
-a stage is refilled only after the consumer warps of both blocks have released it, so `empty` is a cluster barrier
-that every consumer warp arrives on in both blocks; the blocks meet at a cluster barrier before either exits. The
-weight traffic from L2 halves (a 128 x 256 x 64 stage reads 16 KiB of A and 16 of W a block instead of 16 and 32):
-Wqkv + RoPE 0.644 -> 0.625 ms, GeGLU 1.174 -> 1.150 ms at 65536 rows on the H200, the same bits; Wo and MLP Wo
-(N = 1024, small W tiles that stay in L2) ran 1-6% slower in clusters in three calls of four.
-
-Tried and dropped (thirteenth session): the epilogue on the producer warpgroup's three idle warps, the consumers
-handing a 16-bit tile over through shared memory in two halves and going on to the next tile's products. Three warps
-cannot keep up with 16384 exact erfs a tile: GeGLU took 1.72 ms against 1.21, Wqkv + RoPE 0.89 against 0.65 (the
-plain products were within 2%). A fourth warpgroup is not an option: ptxas allocates every thread the launch bound's
-registers (65536 / 512 = 128) whatever `setmaxnreg` grants later, too few for a 128-register accumulator.
-
-Compiled with TileLang's automatic warp specialisation, pipelining and thread-sync insertion off (the
-synchronisation is all explicit: mbarriers between roles, named barriers inside a consumer warpgroup).
-
-Measured on the H200 (bench/gemm_manual_probe.py, 5 runs, every output bitwise equal to torch.matmul's; then
-bench/fast_path.py, eleventh session): the persistent 128x256x64 4-stage kernel runs 680-750 TF/s at M = 65536 and
-15360, 14-24% above the auto-WS GEMM at K = 1024 and 5-10% above at K = 2624 / 4096, at or above torch.matmul;
-the GeGLU form 584-604 TF/s against 543-550 for the auto-WS one. The non-persistent kernel is within 2% of the auto-WS
-one: the gain is the persistence (epilogue and next tile's loads overlapped, no per-tile launch and pipeline fill),
-not the delayed wait: inflight=0 measured the same or 1-3% faster, since with two consumer warpgroups one's wgmma
-keeps the tensor pipe busy while the other waits, and the delayed release holds one stage longer. bk=32 with 8
-stages, and 256x128 tiles, were slower.
+`persistent > 0` launches that many blocks (one per SM) walking the output tiles in row-major order, the stage ring
+running on across tiles so the producer loads the next tile during this tile's epilogue. `cluster=2` runs the
+blocks in pairs on adjacent row blocks, each W tile loaded once and multicast into both (`empty` is then a cluster
+barrier). `GemmWSConfig.epilogue` says where the output is staged. Compiled with TileLang's automatic warp
+specialisation, pipelining and thread-sync insertion off: every synchronisation here is explicit. Measurements:
+see BENCHMARKS.md, "GPU fast path".
 """
 
-import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -91,31 +47,11 @@ class GemmWSConfig:
     bk: int = 64
     stages: int = 4
     persistent: int = 0
-    # wgmma batches a consumer keeps in flight across k-steps: 1 (the design: wait for the previous batch,
-    # release its stage) or 0 (wait for this step's batch and release its stage at once, as TileLang's
-    # automatic warp specialisation does: the tensor pipe drains, but the producer may run one stage further
-    # ahead). An experiment knob, to tell the two effects apart.
-    inflight: int = 1
-    # GeGLU only: both halves' bn-row W tiles sit in one 2*bn-row stage tile, so each k-step is ONE wgmma of
-    # 2*bn columns into one accumulator (GELU half in columns < bn, gate half above) instead of two of bn
-    # columns: A is read from shared memory once per k-step, not twice. Column j and j + bn of a wgmma
-    # accumulator sit in the same thread (the fragment repeats every 8 columns), so the epilogue pairs them
-    # in registers.
-    joint: bool = False
-    # stagger > 0: the second consumer starts its first tile only once the first has issued that many k-steps
-    # (an mbarrier), so the two run that far apart from then on (the shared ring, `stages` deep, bounds the gap):
-    # one consumer's epilogue (GELU, RoPE, the stores) overlaps the other's products instead of both idling the
-    # tensor cores at once
-    stagger: int = 0
-    # RoPE form only: rotate each Q/K head in registers before it is staged (column d and d + 32 of a head sit in
-    # the same thread, as GeGLU's halves do), instead of in the staged shared tile behind one more barrier; the same
-    # arithmetic (from the 16-bit rounded value, fp32 math)
-    rope_regs: bool = False
-    # Persistent only: cluster = 2 launches blocks in pairs (a 2-CTA cluster, one per SM pair) that run adjacent
-    # row blocks of the same column block in step: each W tile is loaded once and multicast into both blocks' shared
-    # memory (TMA multicast), halving the weight traffic from L2; a stage is refilled only once both blocks' consumers
-    # have released it (the empty barriers are cluster barriers that both blocks' consumer warps arrive on)
-    cluster: int = 1
+    inflight: int = 1       # wgmma batches kept in flight across k-steps: 1 (release the previous stage) or 0
+    joint: bool = False     # GeGLU: both halves' W tiles in one stage tile, one 2*bn-column wgmma a k-step
+    stagger: int = 0        # k-steps the second consumer starts behind the first, so their epilogues alternate
+    rope_regs: bool = False  # RoPE form: rotate each Q/K head in registers before staging, not in shared memory
+    cluster: int = 1        # persistent: 2 = blocks in 2-CTA pairs sharing each W tile by TMA multicast
 
     def tag(self) -> str:
         """A short text form, e.g. 128x256x64s4 (p132: persistent over 132 blocks; w0: inflight=0; j: joint; gN:
@@ -146,8 +82,6 @@ class GemmWSConfig:
         epi = self.epilogue(wt)
         return self._ring_bytes(wt) + {"alias": 0, "full": self.bm * self.bn * 2,
                                      "chunk": 2 * self.bm * EPI_COLS * 2}[epi]
-
-
 
 
 def check_config(cfg: GemmWSConfig, wt: int = 1) -> None:
@@ -260,9 +194,8 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
     def epilogue(C, Bias, C_l, Cx_l, Cg_s, Cs_l, Sn_l, Xr_l, by, bx, grp):
         r0 = by * bm + grp * hm
         if epi == "chunk":
-            # EPI_COLS columns at a time through a double buffer (each store is its own bulk group): before a
-            # buffer is rewritten, the store from it two chunks ago must have read it (wait until at most one
-            # group, the other buffer's, is pending; only the issuing thread has groups)
+            # EPI_COLS columns at a time through a double buffer: a buffer is rewritten only once the store from
+            # it two chunks ago has read it (at most one bulk group, the other buffer's, pending)
             for c in T.unroll(bn // EPI_COLS):
                 if geglu:
                     for i, j in T.Parallel(hm, EPI_COLS):
@@ -507,60 +440,13 @@ def gemm_manual_kernel(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias:
                                              name, pass_configs=pass_configs()))
 
 
-# What the forward uses for more than gemm.SMALL_M tokens on Hopper (one persistent block per SM, in 2-CTA clusters
-# that share each W tile through TMA multicast): 128 x 256 x 64 tiles, 4 stages, output 64 columns at a time, Wqkv's
-# RoPE in registers; GeGLU 128 x 128 (of each half) x 64, 4 stages, one joint n=256 product, a whole staged tile;
-# both wait for each k-step's batch (inflight=0: as fast or 1-3% faster than one batch in flight on the H200).
-# Twelfth session (H200, bench/fast_path.py): Wqkv + RoPE 0.650 ms in registers against 0.672 through shared memory;
-# GeGLU joint 590-617 TF/s against 573-602 for two n=128 products. Thirteenth: the clusters took Wqkv + RoPE from
-# 0.644 to 0.625 ms and GeGLU from 1.174 to 1.150 ms, and the offline forward from 649k to 660k tokens/s (the
-# N = 1024 products run in one block: CLUSTER_MIN_N). Staggered consumers measured -2% to +3% per shape across two
-# runs: an alternative only.
+# The defaults for more than gemm.SMALL_M rows on Hopper: persistent 2-CTA clusters, Wqkv's RoPE in registers,
+# GeGLU as one joint n=256 product (see BENCHMARKS.md, "GPU fast path")
 GEMM = GemmWSConfig(bm=128, bn=256, bk=64, stages=4, persistent=132, inflight=0, rope_regs=True, cluster=2)
 GEGLU = GemmWSConfig(bm=128, bn=128, bk=64, stages=4, persistent=132, inflight=0, joint=True, cluster=2)
-# Other configs bench/fast_path.py times beside the defaults (keyed by geglu) and runs when faster
-ALTERNATIVES: dict[bool, tuple[GemmWSConfig, ...]] = {
-    False: (replace(GEMM, cluster=1), replace(GEMM, cluster=1, stagger=3)),
-    True: (replace(GEGLU, cluster=1),),
-}
-# The clusters pay where the W tiles stream from L2 for every block: GeGLU and the wide plain products (Wqkv and the
-# head's in_proj, N = 3072; its FFN1, 4096). For the N = 1024 products (Wo, MLP Wo, the head's FFN2) the one-block
-# kernel measured 1-6% faster in three calls of four and equal in the fourth (thirteenth session), so `pick` runs
-# those without clusters.
+# Clusters pay where W streams from L2 for every block (GeGLU, N >= 2048); narrower products run one block a tile
 CLUSTER_MIN_N = 2048
-# Measured winners that `pick` prefers to the default: per product ((geglu, N, K) -> config), else per form (geglu ->
-# config); bench/fast_path.py fills it in the process it benchmarks, as kernels/gemm.py's TUNED
-TUNED: dict = {}
 
 
-def enabled() -> bool:
-    """Whether the forward uses these kernels: on Hopper (sm_90a) unless LAYA_FLEET_MANUAL_GEMM=0."""
-    return os.environ.get("LAYA_FLEET_MANUAL_GEMM", "1") != "0" and _tl.is_hopper()
-
-
-def sm_count() -> int:
-    """Streaming multiprocessors of the current CUDA device (132 on the H100 / H200 SXM; that without a GPU)."""
-    if torch.cuda.is_available():
-        return int(torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count)
-    return 132
-
-
-def pick(M: int, N: int, in_dtype: torch.dtype, out_dtype: torch.dtype, geglu: bool = False,
-         K: int | None = None) -> GemmWSConfig | None:
-    """The config the forward runs an M-row product of N output columns (K deep) with, or None for the other kernels
-    (few rows: gemm.SMALL tiles; an fp32 output or N < 64: the scorer's last layer; not Hopper; switched off)."""
-    from .gemm import SMALL_M
-
-    if M <= SMALL_M or N < 64 or in_dtype != out_dtype or not enabled():
-        return None
-    base = TUNED.get((geglu, N, K)) or TUNED.get(geglu)
-    if base is None:
-        base = GEGLU if geglu else GEMM if N >= CLUSTER_MIN_N else replace(GEMM, cluster=1)
-    n = sm_count()
-    if base.cluster > 1 and n % base.cluster:   # every block of a persistent cluster launch has its pair
-        base = replace(base, cluster=1)
-    return base if base.persistent == n else replace(base, persistent=n)
-
-
-__all__ = ["GemmWSConfig", "GEMM", "GEGLU", "ALTERNATIVES", "TUNED", "CLUSTER_MIN_N", "build_gemm_manual",
-           "gemm_manual_kernel", "check_config", "enabled", "sm_count", "pick"]
+__all__ = ["GemmWSConfig", "GEMM", "GEGLU", "CLUSTER_MIN_N", "build_gemm_manual", "gemm_manual_kernel",
+           "check_config"]

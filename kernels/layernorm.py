@@ -36,9 +36,8 @@ def default_config(D: int) -> LNConfig:
     """Threads and rows per block for width D. The fragment layout TileLang infers for x[bm, D] splits D over
     the threads (float4 chunks, a power-of-two thread count per row for the all-reduce) only when D / 4 is a
     multiple of the thread count; otherwise every thread holds whole rows (D floats each, spilled to local
-    memory: about 100x slower; seen at D = 768, mmBERT-base, on an H200). So: threads = the largest power of
-    two (32..64) dividing D / 4, and bm rows so that a thread holds about 32 floats of x (2 x 64 at 1024: 4.02-4.05
-    TB/s against 3.95-3.97 for 4 x 128 in three sweeps on H200s, bench/fast_path.py's add_ln section)."""
+    memory, about 100x slower, e.g. at D = 768, mmBERT-base). So: threads = the largest power of two (32..64)
+    dividing D / 4, and bm rows so that a thread holds about 32 floats of x (see BENCHMARKS.md, "GPU fast path")."""
     chunks = max(1, D // 4)
     threads = 64
     while threads > 32 and chunks % threads:
@@ -47,16 +46,6 @@ def default_config(D: int) -> LNConfig:
     while bm < 8 and (2 * bm) * D <= 32 * threads:
         bm *= 2
     return LNConfig(bm=bm, threads=threads)
-
-
-# Per-width configs measured faster than default_config (bench/fast_path.py's add+LN sweep fills this for the run;
-# candidates: kernels/precompile.SWEEP_LN).
-TUNED: dict[int, LNConfig] = {}
-
-
-def pick_config(D: int) -> LNConfig:
-    """The config for width D: a measured winner, else default_config(D)."""
-    return TUNED.get(D) or default_config(D)
 
 
 def add_ln_ref(x: torch.Tensor, r: torch.Tensor | None, w: torch.Tensor, b: torch.Tensor | None, eps: float,
@@ -126,8 +115,8 @@ def add_ln_kernel(D: int, mode: str = "add", bias: bool = False, eps: float = 1e
                   out_dtype: torch.dtype = torch.bfloat16, cfg: LNConfig | None = None,
                   r_dtype: torch.dtype = torch.bfloat16):
     """The compiled kernel for one (D, mode, bias, eps, out dtype, cfg, residual-input dtype), built once per
-    process (cfg None = pick_config(D))."""
-    cfg = cfg or pick_config(D)
+    process (cfg None = default_config(D); kernels/tuning.py's `pick_add_ln` prefers a measured winner)."""
+    cfg = cfg or default_config(D)
     od, rd = _tl.dt(out_dtype), _tl.dt(r_dtype)
     extra = {} if rd == _tl.BF16 else {"r": rd}  # bf16 kernels keep their names (and cache entries)
     name = _tl.kernel_name("lf_addln", d=D, m=mode, b=int(bias), e="%g" % eps, o=od, c=cfg.tag(), **extra)
@@ -151,5 +140,5 @@ def _dummy(M: int, D: int, device: torch.device, dtype: torch.dtype = torch.bflo
     return torch.empty(M, D, dtype=dtype, device=device)
 
 
-__all__ = ["LNConfig", "MODES", "TUNED", "pick_config", "default_config", "add_ln_ref", "build_add_ln", "add_ln_kernel",
+__all__ = ["LNConfig", "MODES", "default_config", "add_ln_ref", "build_add_ln", "add_ln_kernel",
            "add_ln"]

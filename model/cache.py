@@ -3,7 +3,8 @@
 `cache_dir` comes from (first wins) an explicit argument / config value / CLI flag, the environment
 variable `LAYA_FLEET_CACHE_DIR`, or `~/.cache/laya-fleet`. It may be a network mount shared by a fleet.
 
-Two tiers (docs/caching.md has the whole story):
+Two tiers (docs/caching.md has the whole story; where: model/cache_dirs.py, the shared tree: model/shared_cache.py,
+keys and this process's configuration: here):
 
 * **node-local** working directories, one per compiler (`local_dir(kind)`): inductor's FX-graph and
   AOTAutograd caches, Triton's cache, TileLang's kernel cache, AOTInductor packages. Compilers only ever
@@ -20,118 +21,32 @@ Two tiers (docs/caching.md has the whole story):
 
 from __future__ import annotations
 
-import errno
 import functools
 import hashlib
 import json
-import logging
 import os
 import platform
-import shutil
-import socket
 import sys
-import tempfile
-import threading
-import time
-import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-log = logging.getLogger(__name__)
+from .cache_dirs import (
+    ENV,
+    LAYOUT,
+    LOCAL_ENV,
+    filesystem_type,
+    is_network_fs,
+    local_dir,
+    local_root,
+    log,
+    resolve_cache_dir,
+    shared_root,
+)
+from .shared_cache import MANIFEST, SeedResult, SharedCache, list_files
 
-ENV = "LAYA_FLEET_CACHE_DIR"
-LOCAL_ENV = "LAYA_FLEET_LOCAL_CACHE_DIR"
 KINDS = ("inductor", "triton", "tilelang", "aoti")
-LAYOUT = "v1"
-MANIFEST = "MANIFEST.json"
-FORMAT = 1
-LOCK_STALE_S = 900.0  # a publish lock older than this belongs to a writer that died
-TMP_STALE_S = 3600.0  # abandoned temporary artifact directories older than this are removed
-NETWORK_FS = frozenset({"nfs", "nfs4", "cifs", "smb", "smb2", "smb3", "smbfs", "lustre", "gpfs", "ceph",
-                        "glusterfs", "beegfs", "afs", "9p", "virtiofs", "wekafs", "panfs"})
-
-# Which compilers' caches each backend uses: seeded before it compiles, published after warm-up.
-BACKEND_KINDS = {
-    "compile": ("inductor", "triton"),
-    "fast": ("tilelang", "inductor", "triton"),
-    "aot": (),  # the AOTInductor package is seeded / published by the backend itself (see compiled.py)
-    "eager": (),
-}
-
-_warned: set[str] = set()
-_warn_lock = threading.Lock()
 _current: CacheSession | None = None
-
-
-def _warn_once(tag: str, msg: str, *args: Any) -> None:
-    with _warn_lock:
-        if tag in _warned:
-            return
-        _warned.add(tag)
-    log.warning(msg, *args)
-
-
-# -- where ------------------------------------------------------------------------------------------
-def resolve_cache_dir(cache_dir: str | None = None) -> str:
-    """The shared cache root: argument, else $LAYA_FLEET_CACHE_DIR, else ~/.cache/laya-fleet."""
-    d = cache_dir or os.environ.get(ENV) or os.path.join(os.path.expanduser("~"), ".cache", "laya-fleet")
-    return os.path.abspath(d)
-
-
-def filesystem_type(path: str, mounts: str = "/proc/mounts") -> str:
-    """The filesystem type of the mount holding `path` (from /proc/mounts), or "" when unknown."""
-    path = os.path.abspath(path)
-    while not os.path.exists(path) and path != os.path.dirname(path):
-        path = os.path.dirname(path)
-    path = os.path.realpath(path)
-    best, fstype = -1, ""
-    try:
-        with open(mounts, encoding="utf-8") as fh:
-            for line in fh:
-                parts = line.split()
-                if len(parts) < 3:
-                    continue
-                mnt = parts[1].replace("\\040", " ")
-                inside = path == mnt or path.startswith(mnt.rstrip("/") + "/")
-                if inside and len(mnt) > best:
-                    best, fstype = len(mnt), parts[2]
-    except OSError:
-        return ""
-    return fstype
-
-
-def is_network_fs(fstype: str) -> bool:
-    """Whether a filesystem type names a network / distributed filesystem (nfs, lustre, fuse.*...)."""
-    return fstype in NETWORK_FS or fstype.startswith("fuse.") or fstype.startswith("nfs")
-
-
-def local_root(cache_dir: str | None = None) -> str:
-    """The node-local root: $LAYA_FLEET_LOCAL_CACHE_DIR, else `<cache_dir>/local` unless that is on a
-    network filesystem, in which case `<tmp>/laya-fleet-<uid>/local` (compilers never write to a mount)."""
-    env = os.environ.get(LOCAL_ENV)
-    if env:
-        return os.path.abspath(env)
-    root = resolve_cache_dir(cache_dir)
-    fstype = filesystem_type(root)
-    if is_network_fs(fstype):
-        tmp = os.path.join(tempfile.gettempdir(), "laya-fleet-%d" % os.getuid(), "local")
-        _warn_once("netfs:" + root, "laya-fleet: cache_dir %s is on %s; compiling into node-local %s "
-                   "(set %s to choose)", root, fstype, tmp, LOCAL_ENV)
-        return tmp
-    return os.path.join(root, "local")
-
-
-def local_dir(kind: str, cache_dir: str | None = None) -> str:
-    """A node-local directory for one compiler's artifacts (`inductor`, `triton`, `tilelang`, `aoti`)."""
-    path = os.path.join(local_root(cache_dir), kind)
-    os.makedirs(path, exist_ok=True)
-    return path
-
-
-def shared_root(cache_dir: str | None = None) -> str:
-    """The root of published artifacts: `<cache_dir>/shared/v1` (not created here)."""
-    return os.path.join(resolve_cache_dir(cache_dir), "shared", LAYOUT)
 
 
 # -- keys -------------------------------------------------------------------------------------------
@@ -162,19 +77,17 @@ def versions() -> dict[str, str]:
 
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Source files whose changes change what gets compiled (graphs, packages, kernels), per kind.
+# The model sources whose changes change what inductor and AOTInductor compile (graphs, packages); a backend with
+# other compiled code (the fast backend's kernels) passes its own fingerprint to `configure` / `artifact_key`
 CODE_FILES = {
-    "model": ("model/network.py", "model/native.py", "model/bundle.py", "model/backends/compiled.py"),
-    # the files whose code becomes kernel code (kernels/forward.py and precompile.py only choose and launch kernels,
-    # whose names carry every parameter and tile config, so editing them keeps every compiled kernel valid)
-    "kernels": ("kernels/_tl.py", "kernels/gemm.py", "kernels/geglu.py", "kernels/layernorm.py", "kernels/attention.py",
-                "kernels/rope.py", "kernels/gemm_manual.py"),
+    "model": ("model/network.py", "model/bundle.py", "model/backends/torch_encoder.py", "model/backends/padded.py",
+              "model/backends/compile.py", "model/backends/aot.py"),
 }
 
 
 @functools.cache
 def code_fingerprint(group: str = "model") -> str:
-    """12 hex digits of sha256 over the sources that shape compiled artifacts (`model` or `kernels`), so a
+    """12 hex digits of sha256 over the sources that shape compiled artifacts (`CODE_FILES[group]`), so a
     code change gets fresh artifacts instead of seeding stale ones that miss and never get republished.
     Computed once per process (the sources a process runs do not change under it)."""
     import glob
@@ -229,7 +142,7 @@ KEY_FIELDS = {
     "tilelang": ("tilelang", "torch", "cuda"),
     "aoti": ("torch", "cuda", "transformers"),
 }
-KEY_CODE = {"inductor": "model", "triton": "model", "tilelang": "kernels", "aoti": "model"}
+MODEL_CODE_KINDS = ("inductor", "triton", "aoti")   # keyed by `code_fingerprint("model")` unless told otherwise
 
 
 @dataclass(frozen=True)
@@ -262,359 +175,26 @@ class ArtifactKey:
 
 
 def artifact_key(kind: str, checkpoint_hash: str, device: Any = "cpu", variant: str | None = None,
-                 arch: str | None = None, version_info: dict[str, str] | None = None) -> ArtifactKey:
+                 arch: str | None = None, version_info: dict[str, str] | None = None,
+                 code: str | None = None) -> ArtifactKey:
     """The key of one kind of artifact for a checkpoint on a device (`variant` e.g. "bf16" for AOTI).
 
-    `arch` and `version_info` override what is detected (`device_arch(device)`, `versions()`, and the
-    source fingerprint under "code:model" / "code:kernels").
+    `code` is the fingerprint of the sources the artifact was compiled from (default: the model's, for inductor,
+    Triton and AOTI; a TileLang key needs the kernels' own). `arch` and `version_info` override what is detected
+    (`device_arch(device)`, `versions()`, and the code fingerprint under "code:<kind>").
     """
     if kind not in KEY_FIELDS:
         raise ValueError("unknown cache kind %r; use one of %s" % (kind, list(KEY_FIELDS)))
     v = version_info or versions()
     fields = [(f, v.get(f, "none")) for f in KEY_FIELDS[kind]]
-    fields.append(("code", v.get("code:" + KEY_CODE[kind]) or code_fingerprint(KEY_CODE[kind])))
+    if code is None:
+        code = v.get("code:" + kind) or (code_fingerprint("model") if kind in MODEL_CODE_KINDS else None)
+    if code is None:
+        raise ValueError("a %s cache key needs the fingerprint of the code it was compiled from (code=...)" % kind)
+    fields.append(("code", code))
     if variant:
         fields.append(("variant", variant))
     return ArtifactKey(kind, _slug(checkpoint_hash), _slug(arch or device_arch(device)), tuple(fields))
-
-
-# -- files ------------------------------------------------------------------------------------------
-def _skip(name: str) -> bool:
-    # lock files, other processes' in-flight temporaries, bytecode: never part of an artifact
-    return (name.startswith(".") or name.startswith("tmp") or name.endswith(".tmp") or name.endswith(".lock")
-            or name in ("locks", "__pycache__"))
-
-
-def list_files(src: str) -> list[str]:
-    """Relative paths of the regular files under `src` that belong in an artifact, sorted."""
-    out = []
-    for dirpath, dirnames, filenames in os.walk(src):
-        dirnames[:] = sorted(d for d in dirnames if not _skip(d) and not os.path.islink(os.path.join(dirpath, d)))
-        for f in filenames:
-            p = os.path.join(dirpath, f)
-            if _skip(f) or os.path.islink(p) or not os.path.isfile(p):
-                continue
-            out.append(os.path.relpath(p, src))
-    return sorted(out)
-
-
-def _copy_hash(src: str, dst: str, fsync: bool) -> tuple[int, str]:
-    """Copy src to dst (dst's directory must exist); returns (bytes, sha256 of the bytes copied)."""
-    h = hashlib.sha256()
-    n = 0
-    with open(src, "rb") as fi, open(dst, "wb") as fo:
-        while True:
-            b = fi.read(1 << 20)
-            if not b:
-                break
-            h.update(b)
-            fo.write(b)
-            n += len(b)
-        if fsync:
-            fo.flush()
-            os.fsync(fo.fileno())
-    shutil.copystat(src, dst, follow_symlinks=False)
-    return n, h.hexdigest()
-
-
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _safe_rel(rel: Any) -> bool:
-    return (isinstance(rel, str) and rel != "" and not os.path.isabs(rel)
-            and ".." not in rel.replace("\\", "/").split("/"))
-
-
-def _readonly_error(e: OSError) -> bool:
-    return e.errno in (errno.EROFS, errno.EACCES, errno.EPERM)
-
-
-def _retry_stale(fn, *args):
-    """Call fn; on ESTALE (NFS stale file handle) retry once after a short pause."""
-    try:
-        return fn(*args)
-    except OSError as e:
-        if e.errno != errno.ESTALE:
-            raise
-        time.sleep(0.2)
-        return fn(*args)
-
-
-@dataclass
-class SeedResult:
-    """What seeding one artifact did: state is hit | miss | corrupt | error."""
-
-    kind: str
-    state: str
-    files: int = 0
-    bytes: int = 0
-    seconds: float = 0.0
-    detail: str = ""
-
-    def as_dict(self) -> dict[str, Any]:
-        """A JSON-friendly copy."""
-        return dict(self.__dict__)
-
-
-class SharedCache:
-    """Seed from / publish to the shared artifact tree under `<cache_dir>/shared/v1`."""
-
-    def __init__(self, cache_dir: str | None = None):
-        self.cache_dir = resolve_cache_dir(cache_dir)
-        self.root = shared_root(self.cache_dir)
-
-    def path(self, key: ArtifactKey) -> str:
-        """The artifact's directory (it may not exist)."""
-        return os.path.join(self.root, key.relpath)
-
-    # -- reading ----------------------------------------------------------------------------------
-    def read_manifest(self, key: ArtifactKey) -> dict | None:
-        """The artifact's manifest if present and well formed for this key, else None."""
-        f = os.path.join(self.path(key), MANIFEST)
-
-        def _read():
-            with open(f, encoding="utf-8") as fh:
-                return json.load(fh)
-
-        try:
-            m = _retry_stale(_read)
-        except (OSError, ValueError):
-            return None
-        if not isinstance(m, dict) or m.get("format") != FORMAT or m.get("key") != key.as_dict():
-            return None
-        files = m.get("files")
-        if not isinstance(files, list) or not files:
-            return None
-        for e in files:
-            if not (isinstance(e, dict) and _safe_rel(e.get("path")) and isinstance(e.get("size"), int)
-                    and isinstance(e.get("sha256"), str)):
-                return None
-        return m
-
-    def state(self, key: ArtifactKey, verify: bool = True) -> str:
-        """`absent`, `valid` or `corrupt` (a directory whose manifest or files do not check out)."""
-        d = self.path(key)
-        if not os.path.isdir(d):
-            return "absent"
-        m = self.read_manifest(key)
-        if m is None:
-            return "corrupt"
-        if not verify:
-            return "valid"
-        try:
-            for e in m["files"]:
-                p = os.path.join(d, e["path"])
-                if os.path.getsize(p) != e["size"]:
-                    return "corrupt"
-                h = hashlib.sha256()
-                with open(p, "rb") as fh:
-                    for b in iter(lambda fh=fh: fh.read(1 << 20), b""):
-                        h.update(b)
-                if h.hexdigest() != e["sha256"]:
-                    return "corrupt"
-        except OSError:
-            return "corrupt"
-        return "valid"
-
-    def seed(self, key: ArtifactKey, dest: str) -> SeedResult:
-        """Copy a valid artifact into `dest`, verifying every checksum first; nothing lands on a mismatch."""
-        t0 = time.perf_counter()
-        src = self.path(key)
-        if not os.path.isdir(src):
-            return SeedResult(key.kind, "miss", seconds=time.perf_counter() - t0)
-        m = self.read_manifest(key)
-        if m is None:
-            log.warning("laya-fleet cache: %s has no valid manifest; ignoring it (it will be rebuilt)", src)
-            return SeedResult(key.kind, "corrupt", seconds=time.perf_counter() - t0, detail="manifest")
-        os.makedirs(dest, exist_ok=True)
-        stage = os.path.join(dest, ".seed-%d-%s" % (os.getpid(), uuid.uuid4().hex[:8]))
-        nbytes = 0
-        try:
-            for e in m["files"]:
-                out = os.path.join(stage, e["path"])
-                os.makedirs(os.path.dirname(out), exist_ok=True)
-                n, digest = _retry_stale(_copy_hash, os.path.join(src, e["path"]), out, False)
-                if n != e["size"] or digest != e["sha256"]:
-                    log.warning("laya-fleet cache: %s in %s fails its checksum (%d of %d bytes); ignoring the "
-                                "artifact (it will be rebuilt)", e["path"], src, n, e["size"])
-                    return SeedResult(key.kind, "corrupt", seconds=time.perf_counter() - t0, detail=e["path"])
-                nbytes += n
-            for e in m["files"]:  # all verified: move into place, one atomic rename per file
-                out = os.path.join(dest, e["path"])
-                os.makedirs(os.path.dirname(out), exist_ok=True)
-                os.replace(os.path.join(stage, e["path"]), out)
-        except OSError as e:
-            # vanished mid-copy (replaced by a writer), stale NFS handle, permissions: compile locally
-            log.warning("laya-fleet cache: could not read %s (%s); compiling locally", src, e)
-            return SeedResult(key.kind, "error", seconds=time.perf_counter() - t0, detail=str(e))
-        finally:
-            shutil.rmtree(stage, ignore_errors=True)
-        return SeedResult(key.kind, "hit", len(m["files"]), nbytes, time.perf_counter() - t0)
-
-    # -- writing ----------------------------------------------------------------------------------
-    def _lock_path(self, key: ArtifactKey) -> str:
-        return os.path.join(self.root, key.checkpoint, ".%s.lock" % key.name)
-
-    def _lock_stale(self, path: str) -> bool:
-        try:
-            st = os.stat(path)
-        except FileNotFoundError:
-            return True
-        age = time.time() - st.st_mtime
-        if age > LOCK_STALE_S:
-            return True
-        try:
-            with open(path, encoding="utf-8") as fh:
-                info = json.load(fh)
-        except (OSError, ValueError):
-            return age > 60  # unreadable: being written right now, or left half-written long ago
-        if info.get("host") == socket.gethostname() and isinstance(info.get("pid"), int):
-            try:
-                os.kill(info["pid"], 0)
-            except ProcessLookupError:
-                return True  # its writer on this node is gone
-            except PermissionError:
-                return False
-        return False
-
-    def _acquire(self, key: ArtifactKey) -> str | None:
-        path = self._lock_path(key)
-        token = uuid.uuid4().hex
-        for _ in range(2):
-            try:
-                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                if not self._lock_stale(path):
-                    return None
-                log.warning("laya-fleet cache: breaking stale publish lock %s", path)
-                grave = "%s.stale-%s" % (path, token[:8])
-                try:
-                    os.rename(path, grave)
-                    os.unlink(grave)
-                except OSError:
-                    pass
-                continue
-            with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                json.dump({"host": socket.gethostname(), "pid": os.getpid(), "token": token, "time": time.time()},
-                          fh)
-            return token
-        return None
-
-    def _release(self, key: ArtifactKey, token: str) -> None:
-        path = self._lock_path(key)
-        try:
-            with open(path, encoding="utf-8") as fh:
-                if json.load(fh).get("token") != token:
-                    return  # someone broke our lock as stale; theirs now
-            os.unlink(path)
-        except (OSError, ValueError):
-            pass
-
-    def _clean_tmp(self, parent: str) -> None:
-        try:
-            names = os.listdir(parent)
-        except OSError:
-            return
-        for n in names:
-            if n.startswith(".tmp-") or n.startswith(".trash-"):
-                p = os.path.join(parent, n)
-                try:
-                    if time.time() - os.stat(p).st_mtime > TMP_STALE_S or n.startswith(".trash-"):
-                        shutil.rmtree(p, ignore_errors=True)
-                except OSError:
-                    pass
-
-    def publish(self, key: ArtifactKey, src: str, lock: bool = True, files: Iterable[str] | None = None) -> str:
-        """Publish the files under `src` as this artifact, at most one writer at a time.
-
-        Returns `published` (ours is now the artifact), `replaced` (ours replaced a corrupt one),
-        `exists` (a valid one was already there), `busy` (another writer holds the lock), `empty`
-        (nothing to publish), `readonly` (the shared dir cannot be written; logged once), or `error`.
-        `lock=False` skips the lock (tests show the rename alone keeps one intact copy).
-        """
-        rels = sorted(files) if files is not None else list_files(src)
-        if not rels:
-            return "empty"
-        final = self.path(key)
-        parent = os.path.dirname(final)
-        if self.state(key) == "valid":
-            return "exists"
-        try:
-            os.makedirs(parent, exist_ok=True)
-            token = self._acquire(key) if lock else "nolock"
-        except OSError as e:
-            if _readonly_error(e):
-                _warn_once("ro:" + self.root, "laya-fleet cache: shared cache %s is not writable (%s); compiling "
-                           "locally and not publishing", self.root, e.strerror)
-                return "readonly"
-            log.warning("laya-fleet cache: cannot publish %s: %s", final, e)
-            return "error"
-        if token is None:
-            return "busy"
-        tmp = os.path.join(parent, ".tmp-%s-%s-%d-%s" % (key.name, socket.gethostname(), os.getpid(),
-                                                          uuid.uuid4().hex[:8]))
-        try:
-            st = self.state(key)  # under the lock: did someone finish while we waited?
-            if st == "valid":
-                return "exists"
-            self._clean_tmp(parent)
-            entries = []
-            for rel in rels:
-                out = os.path.join(tmp, rel)
-                os.makedirs(os.path.dirname(out), exist_ok=True)
-                n, digest = _copy_hash(os.path.join(src, rel), out, fsync=True)
-                entries.append({"path": rel, "size": n, "sha256": digest})
-            manifest = {"format": FORMAT, "key": key.as_dict(), "files": entries,
-                        "bytes": sum(e["size"] for e in entries), "created": time.time(),
-                        "writer": {"host": socket.gethostname(), "pid": os.getpid()}}
-            mtmp = os.path.join(tmp, MANIFEST + ".tmp")
-            with open(mtmp, "w", encoding="utf-8") as fh:  # the manifest is written last
-                json.dump(manifest, fh, indent=1)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(mtmp, os.path.join(tmp, MANIFEST))
-            _fsync_dir(tmp)
-            status = "published"
-            if st == "corrupt":
-                trash = os.path.join(parent, ".trash-%s-%s" % (key.name, uuid.uuid4().hex[:8]))
-                try:
-                    os.rename(final, trash)
-                except FileNotFoundError:
-                    pass
-                status = "replaced"
-            try:
-                os.rename(tmp, final)  # atomic; fails if a (non-empty) artifact is already there
-            except OSError as e:
-                if e.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.EISDIR):
-                    return "exists"
-                raise
-            _fsync_dir(parent)
-            if st == "corrupt":
-                self._clean_tmp(parent)
-            log.info("laya-fleet cache: %s %s (%d files, %.1f MB)", status, final, len(entries),
-                     manifest["bytes"] / 1e6)
-            return status
-        except OSError as e:
-            if _readonly_error(e):
-                _warn_once("ro:" + self.root, "laya-fleet cache: shared cache %s is not writable (%s); compiling "
-                           "locally and not publishing", self.root, e.strerror)
-                return "readonly"
-            log.warning("laya-fleet cache: publishing %s failed: %s", final, e)
-            return "error"
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-            if lock and token:
-                self._release(key, token)
 
 
 # -- process configuration --------------------------------------------------------------------------
@@ -656,24 +236,26 @@ class CacheSession:
 
 
 def configure(cache_dir: str | None = None, checkpoint_hash: str | None = None, device: Any = None,
-              kinds: Iterable[str] = ()) -> CacheSession:
+              kinds: Iterable[str] | Mapping[str, str | None] = ()) -> CacheSession:
     """Point this process's compilers at node-local dirs and seed them from the shared cache.
 
     Must run before anything compiles. Sets $LAYA_FLEET_CACHE_DIR (so every later `local_dir()` call
     agrees), $TORCHINDUCTOR_CACHE_DIR, $TRITON_CACHE_DIR and $TILELANG_CACHE_DIR, enables inductor's
     FX-graph and AOTAutograd caches (unless set to 0), and for each of `kinds` (with a checkpoint hash)
-    copies a valid shared artifact into the local dir. Inductor and Triton get one local dir per key,
+    copies a valid shared artifact into the local dir. `kinds` may map each kind to the fingerprint of its code
+    (`artifact_key`'s `code`; None: the default). Inductor and Triton get one local dir per key,
     so what is published later holds this checkpoint's graphs only. Returns the session (also `current()`).
     """
     global _current
     root = resolve_cache_dir(cache_dir)
     os.environ[ENV] = root
-    kinds = tuple(kinds)
+    code = dict(kinds) if isinstance(kinds, Mapping) else dict.fromkeys(kinds)
+    kinds = tuple(code)
     local = {k: local_dir(k, root) for k in KINDS}
     keys: dict[str, ArtifactKey] = {}
     if checkpoint_hash and kinds:
         for k in kinds:
-            keys[k] = artifact_key(k, checkpoint_hash, device if device is not None else "cpu")
+            keys[k] = artifact_key(k, checkpoint_hash, device if device is not None else "cpu", code=code[k])
             if k in ("inductor", "triton"):
                 local[k] = os.path.join(local[k], keys[k].name)
                 os.makedirs(local[k], exist_ok=True)
@@ -699,6 +281,6 @@ def current() -> CacheSession | None:
     return _current
 
 
-__all__ = ["ENV", "LOCAL_ENV", "KINDS", "ArtifactKey", "CacheSession", "SeedResult", "SharedCache",
-           "artifact_key", "code_fingerprint", "configure", "current", "device_arch", "filesystem_type",
+__all__ = ["ENV", "LOCAL_ENV", "KINDS", "LAYOUT", "MANIFEST", "ArtifactKey", "CacheSession", "SeedResult",
+           "SharedCache", "artifact_key", "code_fingerprint", "configure", "current", "device_arch", "filesystem_type",
            "is_network_fs", "list_files", "local_dir", "local_root", "resolve_cache_dir", "shared_root", "versions"]

@@ -1,4 +1,4 @@
-"""`laya-fleet` command line: make-checkpoint, predict, aot."""
+"""`laya-fleet` command line: make-checkpoint, predict, aot, precompile."""
 
 from __future__ import annotations
 
@@ -51,11 +51,18 @@ def _cmd_predict(args: argparse.Namespace) -> int:
 
 
 def _cmd_aot(args: argparse.Namespace) -> int:
-    from .backends.compiled import build_aot_package
+    from .backends.aot import build_aot_package
 
     path = build_aot_package(args.checkpoint, cache_dir=args.cache_dir, device=args.device)
     print(path)
     return 0
+
+
+def _cmd_precompile(args: argparse.Namespace) -> int:
+    from .backends.fast.precompile import run
+
+    logging.getLogger().setLevel(logging.INFO)   # the kernels it compiles, as they finish
+    return run(args)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,6 +92,20 @@ def main(argv: list[str] | None = None) -> int:
     ao.add_argument("--cache-dir", default=None)
     ao.add_argument("--device", default="cuda")
     ao.set_defaults(fn=_cmd_aot)
+
+    pc = sub.add_parser("precompile", help="build the fast backend's TileLang kernels into the kernel cache (no GPU "
+                                           "needed; sm_90a by default)")
+    pc.add_argument("--shapes", nargs="*", default=["tiny", "modernbert-large"])
+    pc.add_argument("--tests", action="store_true", help="also the kernels of tests/test_kernels.py (a checkout)")
+    pc.add_argument("--sweep", action="store_true", help="also bench/fast_path.py's sweep candidates (a checkout)")
+    pc.add_argument("--workers", type=int, default=None)
+    pc.add_argument("--fp16", action="store_true", help="also the shapes' fp16 kernels (act_dtype=torch.float16)")
+    pc.add_argument("--arch", default=None,
+                    help="TileLang target (default $LAYA_FLEET_TL_ARCH, else the visible GPU's, else sm_90a)")
+    pc.add_argument("--pack", metavar="FILE.tar.xz", default=None,
+                    help="then pack the node-local TileLang cache into FILE (what bench/gpu_env.sh unpacks into "
+                         "$LAYA_FLEET_LOCAL_CACHE_DIR on a GPU host, so it compiles nothing)")
+    pc.set_defaults(fn=_cmd_precompile)
 
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,

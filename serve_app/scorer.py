@@ -1,8 +1,9 @@
 """The scorer: one loaded Engine per process (one per GPU), used by Serve replicas and Ray Data actors.
 
 All forward work runs on one dedicated thread (CUDA graphs and compiled graphs are not thread-safe,
-and the asyncio loop must never block on the GPU). Rows are scored in token-budget micro-batches;
-a CUDA out-of-memory halves the budget and retries, so no row is lost.
+and the asyncio loop must never block on the GPU). Rows are sorted by length and cut into micro-batches
+whose cost (`batch_cost`: what the backend computes, padding included unless it packs) stays under one
+token budget (`plan`); a CUDA out-of-memory halves the budget and retries, so no row is lost.
 """
 
 from __future__ import annotations
@@ -21,16 +22,45 @@ import numpy as np
 
 from model.sequence import Row
 
-from .batching import plan
-
 log = logging.getLogger(__name__)
 
 DEFAULT_CPU_BUDGET = 8192
 MIN_BUDGET = 64
 BUDGET_CANDIDATES = (4096, 8192, 16384, 32768, 65536, 131072)
-# A backend that cuts its own chunks (fast) gets all of a call's micro-batches in one forward
-# (Scorer._score_in_one_call); LAYA_FLEET_ONE_CALL_CHUNKS=0 goes back to one forward a micro-batch.
-ONE_CALL = os.environ.get("LAYA_FLEET_ONE_CALL_CHUNKS", "1") != "0"
+
+
+def batch_cost(lengths: Sequence[int], packed: bool) -> int:
+    """Tokens a backend computes for rows of these lengths (padding included unless packed)."""
+    if not lengths:
+        return 0
+    return sum(lengths) if packed else len(lengths) * max(lengths)
+
+
+def plan(lengths: Sequence[int], max_batch_tokens: int, packed: bool = False,
+         max_rows: int | None = None) -> list[list[int]]:
+    """Indices of rows grouped into micro-batches, longest rows first, each under the budget.
+
+    A row longer than the budget on its own still gets a micro-batch (of one): nothing is dropped.
+    Every index appears exactly once.
+    """
+    if max_batch_tokens < 1:
+        raise ValueError("max_batch_tokens must be positive, got %r" % max_batch_tokens)
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    batches: list[list[int]] = []
+    cur: list[int] = []
+    cur_sum = cur_max = 0
+    for i in order:
+        n = lengths[i]
+        new_sum, new_max = cur_sum + n, max(cur_max, n)
+        cost = new_sum if packed else (len(cur) + 1) * new_max   # batch_cost of cur + [i], kept running
+        if cur and (cost > max_batch_tokens or (max_rows and len(cur) >= max_rows)):
+            batches.append(cur)
+            cur, new_sum, new_max = [], n, n
+        cur.append(i)
+        cur_sum, cur_max = new_sum, new_max
+    if cur:
+        batches.append(cur)
+    return batches
 
 
 def pick_budget(measured: list[tuple[int, float]], fallback: int, within: float = 0.05) -> int:
@@ -108,7 +138,7 @@ class Scorer:
         # an explicit cache_dir wins over $LAYA_FLEET_CACHE_DIR (model.load falls back to the variable)
         self.engine = model.load(checkpoint, device=device, backend=backend, cache_dir=cache_dir,
                                  **(backend_options or {}))
-        self.packed = bool(getattr(self.engine.backend, "packed", False))
+        self.packed = bool(self.engine.backend.packed)
         self.max_batch_rows = max_batch_rows
         self.stats = ScorerStats()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="laya-forward")
@@ -226,15 +256,14 @@ class Scorer:
         pending = plan([len(r) for r in rows], self.budget, self.packed, self.max_batch_rows)
         # a row cap (max_batch_rows) binds micro-batches only: the backend's chunks count tokens, so under a cap
         # each micro-batch keeps its own call
-        chunking = (getattr(self.engine.backend, "chunk_tokens", None) is not None and ONE_CALL
-                    and not self.max_batch_rows)
+        chunking = self.engine.backend.chunk_tokens is not None and not self.max_batch_rows
         if len(pending) > 1 and chunking and self._score_in_one_call(rows, pending, logits, act):
             return logits, act
         while pending:
             idx = pending.pop(0)
             sub = [rows[i] for i in idx]
             lengths = [len(r) for r in sub]
-            cost = sum(lengths) if self.packed else len(sub) * max(lengths)
+            cost = batch_cost(lengths, self.packed)
             t = time.perf_counter()
             try:
                 lg, ap = self.engine.score(sub)
@@ -268,7 +297,7 @@ class Scorer:
         order = [i for b in pending for i in b]
         t = time.perf_counter()
         try:
-            lg, ap = self.engine.backend.forward([rows[i] for i in order], max_chunk_tokens=self.budget)
+            lg, ap = self.engine.score([rows[i] for i in order], max_tokens=self.budget)
         except Exception as e:
             if not is_oom(e):
                 raise

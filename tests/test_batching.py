@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from serve_app.batching import batch_cost, plan
-from serve_app.scorer import Scorer, pick_budget
+from serve_app.scorer import Scorer, batch_cost, pick_budget, plan
 
 from .cases import cases
 

@@ -207,7 +207,7 @@ _RO_CHILD = textwrap.dedent("""
     os.environ[cache.LOCAL_ENV] = local
     out = {}
     # what model.load() does: seed the node-local dirs from the (read-only) shared dir
-    session = cache.configure(shared, "ckpt0123456789ab", "cpu", kinds=("inductor", "tilelang"))
+    session = cache.configure(shared, "ckpt0123456789ab", "cpu", kinds={"inductor": None, "tilelang": "0123456789ab"})
     out["seeded"] = {k: v.state for k, v in session.seeded.items()}
     out["files"] = sorted(cache.list_files(session.local["inductor"]))
     with open(os.path.join(session.local["tilelang"], "kernel.so"), "w") as fh:
@@ -293,10 +293,10 @@ def test_the_kernels_fingerprint_covers_every_file_with_kernel_code():
     import glob
     import os
 
-    from model.cache import _REPO, CODE_FILES
+    from kernels import _tl
+    from model.cache import _REPO
 
-    hashed = {os.path.normpath(os.path.join(_REPO, f)) for pat in CODE_FILES["kernels"]
-              for f in glob.glob(os.path.join(_REPO, pat))}
+    hashed = {os.path.normpath(f) for f in _tl.source_files()}
     builders = set()
     for f in glob.glob(os.path.join(_REPO, "kernels", "*.py")):
         with open(f, encoding="utf-8") as fh:
@@ -304,4 +304,4 @@ def test_the_kernels_fingerprint_covers_every_file_with_kernel_code():
         if "T.prim_func" in src or "tilelang.compile" in src or "T.Kernel" in src:
             builders.add(os.path.normpath(f))
     assert builders and builders <= hashed, sorted(builders - hashed)
-    assert not any(p.endswith(("forward.py", "precompile.py")) for p in hashed)
+    assert not any(p.endswith(("forward.py", "precompile.py", "tuning.py")) for p in hashed)

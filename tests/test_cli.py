@@ -43,3 +43,15 @@ def test_make_checkpoint_command(tmp_path):
     assert (tmp_path / "ck" / "model.safetensors").is_file()
     r = _run("make-checkpoint", "--shape", "gigantic", "--out", str(tmp_path / "x"))
     assert r.returncode == 2 and "invalid choice" in r.stderr
+
+
+def test_precompile_command_and_module_take_the_same_flags():
+    """`laya-fleet precompile` and `python -m model.backends.fast.precompile` are one command (the image build
+    runs the first with `--shapes modernbert-large`; bench/gpu_env.sh unpacks what `--pack` writes)."""
+    r = _run("precompile", "--help")
+    assert r.returncode == 0, r.stderr
+    for flag in ("--shapes", "--tests", "--sweep", "--workers", "--fp16", "--arch", "--pack"):
+        assert flag in r.stdout, flag
+    m = subprocess.run([sys.executable, "-m", "model.backends.fast.precompile", "--help"], capture_output=True,
+                       text=True, timeout=300)
+    assert m.returncode == 0 and m.stdout == r.stdout

@@ -181,7 +181,7 @@ def test_later_replica_loads_its_graph_from_the_shared_cache_without_tracing(com
 
 
 def test_a_batch_the_precompiled_graph_refuses_is_traced_and_answered(builds, tiny_checkpoint, engine, tmp_path):
-    from model.backends.compiled import padded_batch
+    from model.backends.padded import padded_batch
 
     builds.compile()
     with pytest.MonkeyPatch.context() as mp:
@@ -222,9 +222,7 @@ print(json.dumps({"precompile": e.backend.precompile_state, "misses": e.backend.
 
 def test_a_graph_precompiled_under_autocast_loads_and_serves_in_a_later_replica(tiny_checkpoint, tmp_path):
     # On CUDA the backend runs the fp32 model under bf16 autocast. A saved graph's guards check each input's
-    # dispatch keys, and an autocast context around the call adds Autocast* to them: a graph saved that way
-    # refused every batch in the replica that loaded it (H200: the warm start traced and compiled from scratch,
-    # 69-103 s). The graph enters autocast itself; CPU autocast has the same dispatch-key behaviour.
+    # dispatch keys, which an autocast context around the call changes, so the graph enters autocast itself.
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS=str(torch.get_num_threads()))
     for k in ENV_VARS:
         env.pop(k, None)
@@ -245,10 +243,9 @@ def test_a_replica_without_the_precompiled_graph_traces_and_answers_the_same(bui
     builds.compile()
     with pytest.MonkeyPatch.context() as mp:
         _isolated_env(mp, str(tmp_path / "node"))
-        if how == "precompile off":
-            mp.setenv("LAYA_FLEET_COMPILE_PRECOMPILE", "0")
         before = _counters()
-        comp = model.load(tiny_checkpoint, device="cpu", backend="compile", cache_dir=builds.compile_shared)
+        comp = model.load(tiny_checkpoint, device="cpu", backend="compile", cache_dir=builds.compile_shared,
+                          precompile=how != "precompile off")
         path = comp.backend.precompile_path()
         if how == "corrupt precompiled graph":
             assert os.path.isfile(path)  # seeded from the shared cache
@@ -324,7 +321,7 @@ def test_aot_package_round_trips_and_answers_like_eager(builds, tiny_checkpoint,
 
 
 def test_a_package_that_does_not_load_is_refused_before_this_process_loads_it(builds, tmp_path):
-    from model.backends.compiled import check_package_loads
+    from model.backends.aot_package import check_package_loads
 
     good = str(tmp_path / "good.pt2")
     shutil.copyfile(builds.aot(), good)
@@ -367,11 +364,11 @@ def test_regional_compile_builds_one_graph_per_kind_of_layer_and_matches_eager(t
 
 
 def test_loading_a_package_makes_the_process_libstdcxx_global():
-    """An AOTI package that links libstdc++ statically crashed in its own std::regex on the H200 unless the process's
-    libstdc++ was in the global symbol scope (LD_PRELOAD fixed it); load_aoti_package promotes it first."""
+    """An AOTI package that links libstdc++ statically crashes in its own std::regex unless the process's libstdc++
+    is in the global symbol scope (as LD_PRELOAD puts it); load_aoti_package promotes it first."""
     code = textwrap.dedent("""
         import ctypes, json, torch
-        from model.backends.compiled import _promote_libstdcxx
+        from model.backends.aot_package import _promote_libstdcxx
         sym = "_ZNSt6locale7classicEv"  # std::locale::classic()
         before = hasattr(ctypes.CDLL(None), sym)
         path = _promote_libstdcxx()
@@ -380,6 +377,7 @@ def test_loading_a_package_makes_the_process_libstdcxx_global():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["before"] is False   # torch loads libstdc++ with RTLD_LOCAL: not global until promoted
     assert got["after"] is True and os.path.basename(got["path"]).startswith("libstdc++.so")
 
 
@@ -418,7 +416,7 @@ def test_a_bad_compile_dtype_names_the_option(tiny_checkpoint, tmp_path):
 
 
 def test_aot_packages_of_different_dtypes_have_different_keys():
-    from model.backends.compiled import aot_variant
+    from model.backends.aot import aot_variant
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert [aot_variant(cuda, dt) for dt in (torch.bfloat16, torch.float16, None)] == ["bf16", "fp16", "bf16"]

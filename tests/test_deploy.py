@@ -168,15 +168,15 @@ def test_dockerfile_installs_through_the_script_and_constraints():
     assert re.search(r'pip install -q -c constraints.txt "\$@"$', (ROOT / "deploy" / "install.sh").read_text(), re.M)
     # everything the install reads is copied in before it
     copied = {p for k, a in ins[:n] if k == "COPY" for p in a.split()[:-1] if not p.startswith("--")}
-    packages = {p.split(".")[0] for p in PYPROJECT["tool"]["setuptools"]["packages"]}
+    packages = {p.rstrip("*").split(".")[0] for p in PYPROJECT["tool"]["setuptools"]["packages"]["find"]["include"]}
     assert {"pyproject.toml", "README.md", "constraints.txt", "deploy/install.sh"} | packages <= copied
     assert all((ROOT / p).exists() for p in copied)
 
 
 def test_dockerfile_precompiles_the_kernels_for_sm90a_into_the_replicas_local_cache():
     ins = _instructions()
-    (i,) = [n for n, (k, a) in enumerate(ins) if k == "RUN" and "kernels.precompile" in a]
-    assert re.search(r"LAYA_FLEET_TL_ARCH=sm_90a python -m kernels.precompile --shapes modernbert-large$", ins[i][1])
+    (i,) = [n for n, (k, a) in enumerate(ins) if k == "RUN" and "laya-fleet precompile" in a]
+    assert re.search(r"LAYA_FLEET_TL_ARCH=sm_90a laya-fleet precompile --shapes modernbert-large$", ins[i][1])
     env_before = dict(a.split("=", 1) for k, a in ins[:i] if k == "ENV")
     assert env_before["LAYA_FLEET_LOCAL_CACHE_DIR"] == PROD_ENV["LAYA_FLEET_LOCAL_CACHE_DIR"]
     assert i > [n for n, (k, a) in enumerate(ins) if "deploy/install.sh" in a][0]

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.forward import FastForward, make_backend
 from model.backends import BackendUnavailable
 from model.backends import make_backend as registry_backend
+from model.backends.fast import FastForward, make_backend
 from model.bundle import load_model
 from model.sequence import Row
 
@@ -54,16 +54,16 @@ def test_packed_forward_in_half_precision_stays_near_fp32(engine, bundle, rows, 
         assert dp < dp_bf, (dp, dp_bf)
 
 
-def test_max_chunk_tokens_cuts_chunks_and_a_bad_value_names_it(engine, bundle, rows):
+def test_max_tokens_cuts_chunks_and_a_bad_value_names_it(engine, bundle, rows):
     fast = make_backend(load_model(bundle), bundle, torch.device("cpu"), ops="torch", max_batch_tokens=4096)
     c0 = fast.stats.chunks
-    lg, p = fast.forward(rows, max_chunk_tokens=300)
+    lg, p = fast.forward(rows, max_tokens=300)
     assert fast.stats.chunks - c0 >= sum(len(r) for r in rows) // 300
     l_ref, p_ref = engine.backend.forward(rows)
     np.testing.assert_allclose(lg, l_ref, atol=2e-4, rtol=1e-4)
     for bad in (0, -5, 2.5, "512", True):
-        with pytest.raises(ValueError, match="max_chunk_tokens"):
-            fast.forward(rows, max_chunk_tokens=bad)
+        with pytest.raises(ValueError, match="max_tokens"):
+            fast.forward(rows, max_tokens=bad)
 
 
 def test_a_bad_activation_dtype_names_the_option(bundle):
@@ -151,7 +151,7 @@ def test_staging_from_row_arrays_equals_staging_from_id_lists(engine, bundle, ro
 def test_the_heads_last_layer_on_gathered_rows_answers_like_the_eager_model(engine, bundle, rows):
     """After the head's last attention only markers and [CLS] are read: those rows alone go on (Tb / 8 of them), or
     all Tb rows for a batch of short rows full of options; both answer like the eager model."""
-    from kernels.forward import gather_capacity
+    from model.backends.fast import gather_capacity
 
     fast = make_backend(load_model(bundle), bundle, torch.device("cpu"), ops="torch", max_batch_tokens=4096)
     ff = fast.engine
@@ -231,7 +231,7 @@ def test_fast_gpu_fp16_is_closer_to_fp32_than_bf16(engine, bundle, fast_gpu, row
     assert np.isfinite(l16).all() and np.isfinite(p16).all()
     dp16 = np.abs(_softmax(l16) - _softmax(l_ref)).max()
     dp_bf = np.abs(_softmax(l_bf) - _softmax(l_ref)).max()
-    assert dp16 <= max(0.02, dp_bf), (dp16, dp_bf)
+    assert dp16 < dp_bf, (dp16, dp_bf)
 
 
 @gpu

@@ -4,16 +4,18 @@ sizes (GPU): rows not a multiple of the tile, more tiles than persistent blocks,
 tile (GeGLU's 2624), fp16."""
 
 import importlib.util
+import json
 import re
 from dataclasses import replace
 
 import pytest
 import torch
 
-from kernels import forward, geglu, gemm, rope
+from kernels import geglu, gemm, rope, tuning
 from kernels import gemm_manual as gm
-from kernels.precompile import GEGLU_TEST_CFGS
-from tests.test_kernels import _check_fused_rope, _close, _poison
+from model.backends.fast import forward
+from tests.kernel_specs import GEGLU_TEST_CFGS
+from tests.test_kernels import _check_fused_rope, _close, _node_local_kernel_cache, _poison, use_sm90  # noqa: F401
 
 HAS_TILELANG = importlib.util.find_spec("tilelang") is not None
 needs_tilelang = pytest.mark.skipif(not HAS_TILELANG, reason="needs tilelang")
@@ -45,46 +47,52 @@ def test_configs_and_tags():
             gm.check_config(bad)
 
 
-def test_pick(monkeypatch):
+def _pick(M, N, in_dtype, out_dtype, geglu=False, K=None, sms=132, arch="sm_90a", table=tuning.TABLE):
+    return tuning.pick_gemm_ws(M, N, in_dtype, out_dtype, geglu, K, arch=arch, sms=sms, table=table)
+
+
+def test_pick():
     """Many rows of a 16-bit product on Hopper: the manual kernels; few rows, an fp32 output (the scorer's last
-    layer), another GPU or LAYA_FLEET_MANUAL_GEMM=0: the other kernels."""
-    monkeypatch.setenv("LAYA_FLEET_TL_ARCH", "sm_90a")
-    monkeypatch.delenv("LAYA_FLEET_MANUAL_GEMM", raising=False)
-    monkeypatch.setattr(gm, "sm_count", lambda: 132)
-    assert gm.pick(gemm.SMALL_M + 1, 3072, BF, BF) == gm.GEMM
-    # no clusters for the N = 1024 products (measured 1-6% faster in one block)
-    assert gm.pick(gemm.SMALL_M + 1, 1024, BF, BF, K=2624) == replace(gm.GEMM, cluster=1)
-    assert gm.pick(65536, 2624, F16, F16, geglu=True) == gm.GEGLU
-    assert gm.pick(gemm.SMALL_M, 3072, BF, BF) is None
-    assert gm.pick(4096, 16, BF, torch.float32) is None
-    monkeypatch.setattr(gm, "sm_count", lambda: 114)   # an H100 PCIe: one block per SM there
-    assert gm.pick(4096, 3072, BF, BF).persistent == 114
-    # a measured winner (bench/fast_path.py)
-    monkeypatch.setitem(gm.TUNED, True, replace(gm.GEGLU, cluster=1, stagger=2))
-    assert gm.pick(4096, 2624, BF, BF, geglu=True) == replace(gm.GEGLU, cluster=1, stagger=2, persistent=114)
-    assert gm.pick(4096, 3072, BF, BF) == replace(gm.GEMM, persistent=114)
+    layer) or another GPU: the other kernels."""
+    assert _pick(gemm.SMALL_M + 1, 3072, BF, BF) == gm.GEMM
+    # no clusters for the N = 1024 products (see BENCHMARKS.md, "GPU fast path")
+    assert _pick(gemm.SMALL_M + 1, 1024, BF, BF, K=2624) == replace(gm.GEMM, cluster=1)
+    assert _pick(65536, 2624, F16, F16, geglu=True) == gm.GEGLU
+    assert _pick(gemm.SMALL_M, 3072, BF, BF) is None
+    assert _pick(4096, 16, BF, torch.float32) is None
+    assert _pick(4096, 3072, BF, BF, sms=114).persistent == 114   # an H100 PCIe: one block per SM there
+    # a measured winner in the table (bench/fast_path.py proposes one)
+    table = tuning.Tuning().with_entry("gemm_ws", "geglu", replace(gm.GEGLU, cluster=1, stagger=2))
+    assert _pick(4096, 2624, BF, BF, geglu=True, sms=114, table=table) == replace(gm.GEGLU, cluster=1, stagger=2,
+                                                                                  persistent=114)
+    assert _pick(4096, 3072, BF, BF, sms=114, table=table) == replace(gm.GEMM, persistent=114)
     # a per-product winner beats the default (and a per-form winner), for that product only
-    monkeypatch.setitem(gm.TUNED, (False, 1024, 2624), gm.GEMM)
-    assert gm.pick(4096, 1024, BF, BF, K=2624) == replace(gm.GEMM, persistent=114)
-    assert gm.pick(4096, 1024, BF, BF, K=1024) == replace(gm.GEMM, cluster=1, persistent=114)
-    monkeypatch.setitem(gm.TUNED, False, replace(gm.GEMM, cluster=1, stagger=3))
-    assert gm.pick(4096, 1024, BF, BF, K=1024) == replace(gm.GEMM, cluster=1, stagger=3, persistent=114)
-    assert gm.pick(4096, 1024, BF, BF, K=2624) == replace(gm.GEMM, persistent=114)
-    monkeypatch.delitem(gm.TUNED, False)
-    monkeypatch.setattr(gm, "sm_count", lambda: 113)   # an odd SM count: not every block would have its pair
-    assert gm.pick(4096, 3072, BF, BF) == replace(gm.GEMM, persistent=113, cluster=1)
-    monkeypatch.setenv("LAYA_FLEET_MANUAL_GEMM", "0")
-    assert gm.pick(4096, 1024, BF, BF) is None
-    monkeypatch.setenv("LAYA_FLEET_MANUAL_GEMM", "1")
-    monkeypatch.setenv("LAYA_FLEET_TL_ARCH", "sm_80")
-    assert gm.pick(4096, 1024, BF, BF) is None
+    table = table.with_entry("gemm_ws", "gemm:1024x2624", gm.GEMM)
+    assert _pick(4096, 1024, BF, BF, K=2624, sms=114, table=table) == replace(gm.GEMM, persistent=114)
+    assert _pick(4096, 1024, BF, BF, K=1024, sms=114, table=table) == replace(gm.GEMM, cluster=1, persistent=114)
+    form = table.with_entry("gemm_ws", "gemm", replace(gm.GEMM, cluster=1, stagger=3))
+    assert _pick(4096, 1024, BF, BF, K=1024, sms=114, table=form) == replace(gm.GEMM, cluster=1, stagger=3,
+                                                                             persistent=114)
+    assert _pick(4096, 1024, BF, BF, K=2624, sms=114, table=form) == replace(gm.GEMM, persistent=114)
+    # an odd SM count: not every block would have its pair
+    assert _pick(4096, 3072, BF, BF, sms=113, table=table) == replace(gm.GEMM, persistent=113, cluster=1)
+    assert _pick(4096, 1024, BF, BF, arch="sm_80") is None
 
 
-def test_the_forward_lists_manual_kernels_for_many_rows_only(monkeypatch):
-    monkeypatch.setenv("LAYA_FLEET_TL_ARCH", "sm_90a")
-    monkeypatch.setattr(gm, "sm_count", lambda: 132)
+def test_a_tuning_table_round_trips_through_its_json_form(tmp_path):
+    table = tuning.Tuning().with_entry("gemm_ws", "geglu", replace(gm.GEGLU, cluster=1)).with_entry(
+        "gemm", "3072x1024", gemm.LARGE)
+    path = tmp_path / "tuning.json"
+    path.write_text(json.dumps(table.as_dict()))
+    assert tuning.Tuning.from_json(str(path)) == table
+    assert tuning.Tuning.from_json(str(tmp_path / "none.json")) == tuning.Tuning()
+    with pytest.raises(ValueError, match="unknown ops"):
+        tuning.Tuning.from_dict({"gemmm": {}})
+
+
+def test_the_forward_lists_manual_kernels_for_many_rows_only():
     dims = dict(d=1024, heads=16, inter=2624, ffn=4096, windows={0, 64})
-    specs = forward.kernel_specs(**dims)
+    specs = forward.kernel_specs(**dims, arch="sm_90a", sms=132)
     ws = [a for op, a in specs if op == "gemm_ws"]
     assert len(ws) == 9 and sum(1 for a in ws if a[6]) == 1       # 8 products (Wqkv with RoPE) and the GeGLU
     assert [a[5] for a in ws if a[5]] == [2048]
@@ -93,8 +101,7 @@ def test_the_forward_lists_manual_kernels_for_many_rows_only(monkeypatch):
     # every spec maps to an op the backend's `ops` option switches (a manual spec to gemm, or geglu)
     assert {forward.spec_op(sp) for sp in specs} == set(forward.OPS)
     assert sorted(forward.spec_op(("gemm_ws", a)) for a in ws) == ["geglu"] + ["gemm"] * 8
-    monkeypatch.setenv("LAYA_FLEET_MANUAL_GEMM", "0")
-    assert not [a for op, a in forward.kernel_specs(**dims) if op == "gemm_ws"]
+    assert not [a for op, a in forward.kernel_specs(**dims, arch="sm_80", sms=132) if op == "gemm_ws"]
 
 
 # -- compile only (tilelang, no GPU) -----------------------------------------------------------
@@ -103,7 +110,7 @@ def test_manual_kernels_compile_for_hopper(monkeypatch):
     """One producer warpgroup (TMA loads, registers given back) and two consumer warpgroups (wgmma, registers
     taken) in 384 threads; the output leaves through TMA stores only; the persistent form walks the tiles in waves
     of 132 blocks; the RoPE form rotates only heads below rope_cols; the GeGLU form loads both halves of Wi."""
-    monkeypatch.setenv("LAYA_FLEET_TL_ARCH", "sm_90a")
+    use_sm90(monkeypatch)
     for cfg in (replace(gm.GEMM, cluster=1), gm.GemmWSConfig(stages=4), gm.GemmWSConfig(stages=3, persistent=132)):
         src = gm.gemm_manual_kernel(3072, 1024, cfg).get_kernel_source()
         assert re.findall(r"__launch_bounds__\((\d+)", src) == ["384"]

@@ -12,10 +12,31 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import attention, geglu, gemm, layernorm, precompile, rope
-from kernels.forward import row_capacity, token_buckets
+from bench.fastpath_sweep import ATTENTION, SWEEP_GEGLU, SWEEP_GEMM, SWEEP_LN
+from kernels import _tl, attention, geglu, gemm, layernorm, rope, tuning
+from model.backends.fast import row_capacity, token_buckets
 
 HAS_TILELANG = importlib.util.find_spec("tilelang") is not None
+
+
+def use_tilelang(monkeypatch, cache_dir: str | None = None, arch: str | None = None) -> None:
+    """Build kernels for `arch` (None: the visible GPU's) into `cache_dir`, by default the node-local TileLang
+    cache the fast backend uses (what `laya-fleet precompile --pack` fills); undone after the test."""
+    from model.cache import local_dir
+
+    cache_dir = cache_dir or local_dir("tilelang")
+    monkeypatch.setattr(_tl, "_config", {"cache_dir": cache_dir, "arch": arch})
+    monkeypatch.setenv("TILELANG_CACHE_DIR", cache_dir)
+
+
+def use_sm90(monkeypatch, cache_dir: str | None = None) -> None:
+    """Build kernels for sm_90a, as an image build does without the GPU (see `use_tilelang`)."""
+    use_tilelang(monkeypatch, cache_dir, "sm_90a")
+
+
+@pytest.fixture(autouse=True)
+def _node_local_kernel_cache(monkeypatch):
+    use_tilelang(monkeypatch)
 needs_tilelang = pytest.mark.skipif(not HAS_TILELANG, reason="needs tilelang")
 
 
@@ -108,7 +129,7 @@ def test_token_buckets():
 # -- compile only (tilelang, no GPU) -----------------------------------------------------------
 @needs_tilelang
 def test_kernels_compile_for_hopper(monkeypatch):
-    monkeypatch.setenv("LAYA_FLEET_TL_ARCH", "sm_90a")
+    use_sm90(monkeypatch)
     ln = layernorm.add_ln_kernel(128, "add", False, 1e-5, torch.bfloat16)
     assert "__launch_bounds__" in ln.get_kernel_source()
     at = attention.attention_kernel(2, 64, attention.WARP_SPECIALISED)
@@ -120,7 +141,7 @@ def test_kernels_compile_for_hopper(monkeypatch):
 def test_fp16_kernels_compile_for_hopper_with_half_operands(monkeypatch):
     """act_dtype fp16: every kernel of the forward compiles for sm_90a with fp16 operands (tensor-core products
     on half inputs, fp32 accumulation), under names of their own; the bf16 kernels keep theirs."""
-    monkeypatch.setenv("LAYA_FLEET_TL_ARCH", "sm_90a")
+    use_sm90(monkeypatch)
     f16 = torch.float16
     g = gemm.gemm_kernel(1024, 1024, True, "none", gemm.SMALL, f16, f16).get_kernel_source()
     assert "kFloat16" in g and "kBFloat16" not in g
@@ -144,7 +165,7 @@ def test_attention_without_warp_specialisation_compiles_for_hopper(monkeypatch, 
     the warp-specialised form has both."""
     import re
 
-    monkeypatch.setenv("LAYA_FLEET_TL_ARCH", "sm_90a")
+    use_sm90(monkeypatch)
     cfg = attention.UNSPECIALISED
     assert not cfg.ws and attention.DEFAULT == attention.OVERLAP
     src = attention.attention_kernel(16, window, cfg).get_kernel_source()
@@ -180,7 +201,7 @@ def test_persistent_and_rope_fused_gemms_compile_for_hopper(monkeypatch):
     element-wise global stores: C is only reached through its tensor map)."""
     import re
 
-    monkeypatch.setenv("LAYA_FLEET_TL_ARCH", "sm_90a")
+    use_sm90(monkeypatch)
     pers = gemm.GemmConfig(bm=128, bn=256, bk=64, stages=3, threads=256, persistent=132)
     assert pers.tag() == "128x256x64s3t256rp132" and gemm.LARGE.tag() == "128x256x64s3t256r"
     src = gemm.gemm_kernel(3072, 1024, False, "none", pers).get_kernel_source()
@@ -206,11 +227,11 @@ def test_unspecialised_gemm_and_geglu_compile_for_hopper(monkeypatch):
     pipeline feeds wgmma), under a name of its own; the default keeps TileLang's warp specialisation."""
     import re
 
-    monkeypatch.setenv("LAYA_FLEET_TL_ARCH", "sm_90a")
+    use_sm90(monkeypatch)
     g = gemm.GemmConfig(bm=128, bn=128, bk=64, stages=3, threads=256, ws=False)
-    assert g.tag() == "128x128x64s3t256rn" and g in precompile.SWEEP_GEMM
+    assert g.tag() == "128x128x64s3t256rn" and g in SWEEP_GEMM
     gg = geglu.GegluConfig(bm=128, bn=128, bk=64, stages=3, threads=256, ws=False)
-    assert gg.tag() == "128x128x64s3t256rn" and gg in precompile.SWEEP_GEGLU
+    assert gg.tag() == "128x128x64s3t256rn" and gg in SWEEP_GEGLU
     for src in (gemm.gemm_kernel(3072, 1024, False, "none", g).get_kernel_source(),
                 gemm.gemm_kernel(3072, 1024, False, "none", g, rope_cols=2048).get_kernel_source(),
                 geglu.geglu_kernel(2624, 1024, gg).get_kernel_source()):
@@ -224,11 +245,11 @@ def test_unspecialised_gemm_and_geglu_compile_for_hopper(monkeypatch):
 @pytest.mark.parametrize("D", [128, 384, 768, 1024])
 def test_add_ln_splits_each_row_over_the_threads(monkeypatch, D):
     """Each thread holds bm * D / threads floats of x and the row sums go through a block all-reduce. The
-    layout TileLang infers otherwise gives every thread whole rows (float x[D], spilled): at D = 768 with the
-    old fixed 4 rows x 128 threads the add+LayerNorm took 296 of a 317 ms forward on an H200."""
+    layout TileLang infers otherwise gives every thread whole rows (float x[D], spilled to local memory), as 4 rows x
+    128 threads do at D = 768."""
     import re
 
-    monkeypatch.setenv("LAYA_FLEET_TL_ARCH", "sm_90a")
+    use_sm90(monkeypatch)
     cfg = layernorm.default_config(D)
     assert (D // 4) % cfg.threads == 0 and cfg.threads & (cfg.threads - 1) == 0
     src = layernorm.add_ln_kernel(D, "add", False, 1e-5, torch.bfloat16).get_kernel_source()
@@ -242,30 +263,29 @@ def test_add_ln_splits_each_row_over_the_threads(monkeypatch, D):
 @needs_tilelang
 def test_add_ln_sweep_candidates_split_rows_over_threads(monkeypatch):
     """Every add+LN candidate of the benchmark's sweep keeps the split layout at D = 1024 (no whole rows per
-    thread), and a tuned winner is what add_ln_kernel builds by default."""
+    thread), and a winner in the tuning table is what the forward picks."""
     import re
 
-    from kernels.precompile import SWEEP_LN
-
-    monkeypatch.setenv("LAYA_FLEET_TL_ARCH", "sm_90a")
+    use_sm90(monkeypatch)
     for cfg in SWEEP_LN:
         assert 256 % cfg.threads == 0
         src = layernorm.add_ln_kernel(1024, "add", False, 1e-5, torch.bfloat16, cfg).get_kernel_source()
         assert [int(n) for n in re.findall(r"float x\[(\d+)\]", src)] == [cfg.bm * 1024 // cfg.threads], cfg
-    monkeypatch.setitem(layernorm.TUNED, 1024, SWEEP_LN[-1])
-    assert layernorm.pick_config(1024) == SWEEP_LN[-1] and layernorm.pick_config(768) == layernorm.default_config(768)
-    assert "_c%s_" % SWEEP_LN[-1].tag() in layernorm.add_ln_kernel(1024, "add", False, 1e-5).get_kernel_source()
+    table = tuning.Tuning().with_entry("add_ln", "1024", SWEEP_LN[-1])
+    assert tuning.pick_add_ln(1024, table) == SWEEP_LN[-1]
+    assert tuning.pick_add_ln(768, table) == layernorm.default_config(768)
+    cfg = tuning.pick_add_ln(1024, table)
+    src = layernorm.add_ln_kernel(1024, "add", False, 1e-5, cfg=cfg).get_kernel_source()
+    assert "_c%s_" % SWEEP_LN[-1].tag() in src
 
 
 @needs_tilelang
 def test_kernel_index_loads_the_same_kernel_without_the_frontend(monkeypatch, tmp_path):
     """The second compile of a kernel comes from our index (kernels/_tl.py) without calling its builder, and is
     the same kernel: same PrimFunc, params, dynamic shapes and source. A stale entry falls back to compiling."""
-    from kernels import _tl
-
-    monkeypatch.setenv("LAYA_FLEET_TL_ARCH", "sm_90a")
+    use_sm90(monkeypatch)
     _tl.tl()
-    monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path))  # read by TileLang and the index on every access
+    use_sm90(monkeypatch, str(tmp_path))  # read by TileLang and the index on every access
     calls = []
 
     def build():
@@ -352,8 +372,8 @@ def test_persistent_gemm_and_geglu(M):
     _close(g, geglu.geglu_ref(a, wi), 1.5e-2)
 
 
-UNSPECIALISED_GEMM = [c for c in precompile.SWEEP_GEMM if not c.ws]
-UNSPECIALISED_GEGLU = [c for c in precompile.SWEEP_GEGLU if not c.ws]
+UNSPECIALISED_GEMM = [c for c in SWEEP_GEMM if not c.ws]
+UNSPECIALISED_GEGLU = [c for c in SWEEP_GEGLU if not c.ws]
 
 
 @gpu
@@ -469,8 +489,6 @@ def test_add_ln(M, mode, bias):
 @pytest.mark.parametrize("bias", [False, True])
 def test_add_ln_sweep_candidates(M, bias):
     """Each add+LN config the benchmark may pick gives the reference's answer ("add" mode, the encoder's)."""
-    from kernels.precompile import SWEEP_LN
-
     x = torch.randn(M, 1024, device=DEV) * 3000
     r = (torch.randn(M, 1024, device=DEV) * 50).bfloat16()
     w = torch.rand(1024, device=DEV) + 0.5
@@ -511,7 +529,7 @@ ATTN_CASES = [
 @needs_tilelang
 @pytest.mark.parametrize("lengths", ATTN_CASES)
 @pytest.mark.parametrize("heads,window", [(16, 0), (16, 64), (2, 0)])
-@pytest.mark.parametrize("cfg", attention.CANDIDATES, ids=lambda c: c.tag())
+@pytest.mark.parametrize("cfg", ATTENTION, ids=lambda c: c.tag())
 def test_attention(lengths, heads, window, cfg):
     extra, empty = 37, 3
     qkv, cu = _packed_qkv(lengths, heads, extra=extra, seed=len(lengths), device=DEV)
@@ -541,3 +559,14 @@ def test_attention_every_length_up_to_1024():
             out = _poison(qkv.shape[0], 128)
             attention.attention(qkv, cu, tiles, 2, window, out=out, cfg=cfg)
             _close(out, attention.attention_ref(qkv, cu, 2, window), 1e-2)
+
+
+def test_kernels_read_no_project_setting_and_the_target_comes_from_configure(monkeypatch):
+    """kernels/ takes its cache dir and arch from `_tl.configure` (the fast backend passes them), never from a
+    LAYA_FLEET_* variable."""
+    for f in _tl.source_files() + [tuning.__file__]:
+        with open(f, encoding="utf-8") as fh:
+            assert "LAYA_FLEET_" not in fh.read(), f
+    monkeypatch.setattr(_tl, "_config", dict(_tl._config))
+    _tl.configure(arch="sm_80")
+    assert _tl.target() == {"kind": "cuda", "arch": "sm_80"}

@@ -1,4 +1,5 @@
-"""The fast backend's weights-only model (model/light.py) against transformers' ModernBERT and the full model."""
+"""The fast backend's weights-only model (model/backends/fast/weights.py) against transformers' ModernBERT and the
+full model."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ import pytest
 import torch
 
 import model
-from kernels.forward import make_backend
+from model.backends.fast import make_backend
+from model.backends.fast.weights import expected_encoder_shapes, load_fast_model
+from model.backends.torch_encoder import rope_tables
 from model.bundle import load_model, open_bundle
-from model.light import expected_encoder_shapes, load_fast_model, rope_tables
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -44,7 +46,7 @@ def test_layout_and_rope_match_transformers_modernbert(layers, every, norm_bias,
 
 def test_fast_forward_from_the_light_model_equals_the_full_model(bundle, rows):
     light = load_fast_model(bundle)
-    assert light is not None and getattr(light, "light", False)
+    assert light is not None and getattr(light, "weights_only", False)
     assert not isinstance(light.encoder, torch.nn.Module)
     full = make_backend(load_model(bundle), bundle, torch.device("cpu"), ops="torch", max_batch_tokens=4096)
     fast = make_backend(light, bundle, torch.device("cpu"), ops="torch", max_batch_tokens=4096)

@@ -1,5 +1,5 @@
-"""The plain-torch ModernBERT (model/native.py) against transformers' ModernBertModel, and the DecisionModel
-built on it against the one `load_model` builds."""
+"""The plain-torch ModernBERT (model/backends/torch_encoder.py) against transformers' ModernBertModel, and the
+DecisionModel built on it against the one `load_model` builds."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
+from model.backends.torch_encoder import NativeModernBert, load_native_model
 from model.bundle import light_encoder_config, load_model, open_bundle
-from model.native import NativeModernBert, load_native_model
 
 
 def _batch(lengths, vocab, seed=0):

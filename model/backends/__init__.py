@@ -21,10 +21,12 @@ log = logging.getLogger(__name__)
 
 # name -> "module:factory"; a factory is (model, bundle, device, **options) -> Backend
 _REGISTRY: dict[str, str] = {
-    "fast": "kernels.forward:make_backend",
-    "compile": "model.backends.compiled:make_compile_backend",
-    "aot": "model.backends.compiled:make_aot_backend",
+    "fast": "model.backends.fast:make_backend",
+    "compile": "model.backends.compile:make_compile_backend",
+    "aot": "model.backends.aot:make_aot_backend",
 }
+# the compiler caches each backend seeds before it compiles and publishes after warm-up
+CACHE_KINDS = {"fast": ("tilelang", "inductor", "triton"), "compile": ("inductor", "triton"), "aot": (), "eager": ()}
 ALIASES = {"tilelang": "fast", "torch": "eager", "inductor": "compile", "torch.compile": "compile"}
 NAMES = ("auto", "eager", *(_REGISTRY))
 
@@ -43,6 +45,18 @@ def _eager_dtype(dtype: torch.dtype | None, bundle: Any, device: torch.device) -
     if dtype is not None or device.type != "cuda":
         return dtype
     return cuda_amp_dtype(bundle.cfg, device)
+
+
+def cache_code(name: str, device: torch.device) -> dict[str, str | None]:
+    """{cache kind: source fingerprint} of the compiler caches backend `name` uses on `device`, for
+    `model.cache.configure` (None: the cache's own fingerprint of the model code; CPU runs inductor only)."""
+    kinds = [k for k in CACHE_KINDS.get(ALIASES.get(name, name), ()) if device.type == "cuda" or k == "inductor"]
+    code: dict[str, str | None] = dict.fromkeys(kinds)
+    if "tilelang" in code:
+        from kernels._tl import source_fingerprint
+
+        code["tilelang"] = source_fingerprint()
+    return code
 
 
 def make_backend(name: str, model: torch.nn.Module, bundle: Any, device: torch.device, **options) -> Backend:
@@ -65,5 +79,5 @@ def make_backend(name: str, model: torch.nn.Module, bundle: Any, device: torch.d
     return _factory(name)(model, bundle, device, **options)
 
 
-__all__ = ["Backend", "BackendUnavailable", "EagerBackend", "NAMES", "ALIASES", "make_backend", "collate",
-           "cuda_amp_dtype", "outputs"]
+__all__ = ["Backend", "BackendUnavailable", "EagerBackend", "NAMES", "ALIASES", "CACHE_KINDS", "cache_code",
+           "make_backend", "collate", "cuda_amp_dtype", "outputs"]

@@ -1,4 +1,4 @@
-"""The backend contract: rows in, raw option logits and P(action 0) out."""
+"""The backend contract: rows in, raw option logits and P(action 0) out, and what callers may rely on."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ class BackendUnavailable(RuntimeError):
     """The requested backend cannot run here (no CUDA, no tilelang, unsupported encoder...)."""
 
 
-AMP_ENV = "LAYA_FLEET_CUDA_AMP"
 DTYPE_NAMES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
                "fp32": torch.float32, "float32": torch.float32}
 HALF = (torch.bfloat16, torch.float16)
@@ -33,16 +32,13 @@ def dtype_named(value: Any, what: str, allowed: tuple = HALF + (torch.float32,))
 
 def cuda_amp_dtype(cfg: dict, device: torch.device | None = None) -> torch.dtype:
     """The half-precision dtype a CUDA forward computes in, by upstream Laya's policy: $LAYA_FLEET_CUDA_AMP (or
-    upstream's $LAYA_CUDA_AMP) when set to fp16 / float16 / bf16 / bfloat16; fp16 on GPUs before compute
-    capability 8 (no bf16 tensor cores); else the checkpoint's `amp_dtype`: "bf16" / "bfloat16" is bf16 and
-    anything else, or no field at all, fp16 (fp16 keeps 3 more mantissa bits: on the random checkpoints of
-    bench/fast_path.py fp16 autocast is 0.011 from fp32 in probability where bf16 is 0.091)."""
-    import os
+    upstream's $LAYA_CUDA_AMP) when set; fp16 on GPUs before compute capability 8 (no bf16 tensor cores); else
+    the checkpoint's `amp_dtype`: "bf16" / "bfloat16" is bf16 and anything else, or no field at all, fp16."""
+    from .. import settings
 
-    for var in (AMP_ENV, "LAYA_CUDA_AMP"):
-        v = os.environ.get(var, "").strip().lower()
-        if v:
-            return dtype_named(v, var, HALF)
+    amp = settings.get("LAYA_FLEET_CUDA_AMP")
+    if amp:
+        return dtype_named(amp, "LAYA_FLEET_CUDA_AMP", HALF)
     if device is not None and device.type == "cuda" and torch.cuda.is_available():
         idx = device.index if device.index is not None else torch.cuda.current_device()
         if torch.cuda.get_device_capability(idx)[0] < 8:
@@ -51,14 +47,23 @@ def cuda_amp_dtype(cfg: dict, device: torch.device | None = None) -> torch.dtype
 
 
 class Backend(Protocol):
-    """What every forward implementation provides."""
+    """What every forward implementation provides, and all a caller may rely on.
+
+    `packed`: the backend computes each row's own tokens (cost = the sum of row lengths); otherwise a batch is
+    padded to its longest row (cost = rows x longest). `chunk_tokens`: a backend that cuts a
+    forward's rows into chunks itself (and pipelines them) gives the most tokens one chunk holds, so a caller
+    may hand it many micro-batches in one call with `forward(rows, max_tokens)`; None: one forward is one batch,
+    `max_tokens` is not consulted and the caller cuts micro-batches."""
 
     name: str
     device: torch.device
     max_tokens_per_row: int
+    packed: bool
+    chunk_tokens: int | None
 
-    def forward(self, rows: Sequence[Row]) -> tuple[np.ndarray, np.ndarray]:
-        """Score rows: (logits [N, kmax] float32 with -1e4 past each row's k, P(action 0) [N] float32)."""
+    def forward(self, rows: Sequence[Row], max_tokens: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Score rows: (logits [N, kmax] float32 with -1e4 past each row's k, P(action 0) [N] float32); a chunking
+        backend cuts chunks of at most min(chunk_tokens, max_tokens) tokens."""
 
     def warmup(self, max_batch_tokens: int | None = None) -> float:
         """Build every graph / compiled shape this backend will use; returns seconds spent."""

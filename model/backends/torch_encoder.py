@@ -1,18 +1,17 @@
 """A ModernBERT encoder in plain torch, for the `compile` backend: no transformers import, no guards torch
 cannot serialise.
 
-transformers' `ModernBertModel` is the reference (the eager backend and the upstream oracle run it). For the
-`compile` backend it costs two things on a warm start: importing transformers' modeling code (seconds on the
-GPU host: auto classes -> generation -> scikit-learn, distributed -> torch.distributed.tensor) and dynamo
-re-tracing its Python (mask utilities, kwargs plumbing, decorators whose guards are object-identity checks).
-This module computes the same function from the same tensors (`encoder.*` names and shapes unchanged, so the
+transformers' `ModernBertModel` is the reference (the eager backend and the upstream oracle run it); importing
+its modeling code costs seconds on a warm start and dynamo re-traces its Python, whose guards are object-identity
+checks. This module computes the same function from the same tensors (`encoder.*` names and shapes unchanged, so the
 checkpoint loads strictly): embeddings + LayerNorm, pre-norm layers with RoPE attention (full on global
 layers, |i - j| <= local_attention / 2 on local layers) and a GeGLU MLP, final LayerNorm. The precision
 steps follow transformers' (RoPE applied in fp32 and cast back, SDPA on the projections' dtype), so under
 bf16 autocast it rounds where the reference rounds. tests/test_native.py checks it against
 `ModernBertModel` for several layouts, biases, RoPE thetas, paddings and lengths past the window.
 
-`load_native_model` returns None where the checkpoint is not one it can describe (see
+`layer_types` and `rope_tables` read ModernBERT's config as transformers does (the fast backend's weights use
+them too). `load_native_model` returns None where the checkpoint is not one it can describe (see
 `Bundle.light_encoder_config`): the caller then uses the transformers model.
 """
 
@@ -25,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .bundle import Bundle, load_weights
+from ..bundle import Bundle, load_weights
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +33,39 @@ ENC = "encoder."
 
 class EncoderOutput(NamedTuple):
     last_hidden_state: torch.Tensor
+
+
+def layer_types(ecfg: Any) -> list[str]:
+    """Each encoder layer's attention kind ("full_attention" / "sliding_attention"), from the config."""
+    types = getattr(ecfg, "layer_types", None)
+    if types:
+        return list(types)
+    every = int(getattr(ecfg, "global_attn_every_n_layers", 1) or 1)
+    return ["full_attention" if i % every == 0 else "sliding_attention" for i in range(int(ecfg.num_hidden_layers))]
+
+
+def rope_tables(ecfg: Any) -> dict[str, tuple[torch.Tensor, float]] | None:
+    """{layer type: (inverse frequencies, attention scaling)} as transformers' ModernBERT computes them, or
+    None when the config carries no per-layer-type `rope_parameters`."""
+    params = getattr(ecfg, "rope_parameters", None)
+    if not isinstance(params, dict):
+        return None
+    dim = getattr(ecfg, "head_dim", None) or ecfg.hidden_size // ecfg.num_attention_heads
+    out = {}
+    for lt in sorted(set(layer_types(ecfg))):
+        p = params.get(lt)
+        if not isinstance(p, dict) or "rope_theta" not in p:
+            return None
+        kind = p.get("rope_type", "default")
+        if kind == "default":
+            exps = torch.arange(0, dim, 2, dtype=torch.float) / dim
+            out[lt] = (1.0 / (float(p["rope_theta"]) ** exps), 1.0)
+        else:  # scaled variants: transformers' own (config-level) init functions, no modeling import
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            inv, scale = ROPE_INIT_FUNCTIONS[kind](ecfg, None, layer_type=lt)
+            out[lt] = (inv, float(scale))
+    return out
 
 
 def _norm(d: int, eps: float, bias: bool) -> nn.LayerNorm:
@@ -85,15 +117,13 @@ class NativeModernBert(nn.Module):
 
     def __init__(self, cfg: Any):
         super().__init__()
-        from .light import _layer_types, rope_tables
-
         self.config = cfg
         if getattr(cfg, "hidden_activation", "gelu") != "gelu":
             raise ValueError("native ModernBERT implements exact GELU, got %r" % cfg.hidden_activation)
         self.embeddings = _Embeddings(cfg)
         self.layers = nn.ModuleList(_Layer(cfg, i == 0) for i in range(int(cfg.num_hidden_layers)))
         self.final_norm = _norm(int(cfg.hidden_size), float(cfg.norm_eps), bool(cfg.norm_bias))
-        self.layer_types = list(_layer_types(cfg))
+        self.layer_types = list(layer_types(cfg))
         self.window = int(getattr(cfg, "sliding_window", None) or int(cfg.local_attention) // 2)
         tables = rope_tables(cfg)
         if tables is None:
@@ -162,7 +192,7 @@ def layer_step(h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torc
 def load_native_model(bundle: Bundle) -> torch.nn.Module | None:
     """The DecisionModel with a `NativeModernBert` encoder, weights loaded strictly, or None when the checkpoint
     is not a ModernBERT this module can describe (then use `bundle.load_model`)."""
-    from .bundle import _no_param_init, build_head, verify
+    from ..bundle import _no_param_init, build_head, verify
 
     ecfg = bundle.light_encoder_config()
     if ecfg is None:
@@ -182,4 +212,5 @@ def load_native_model(bundle: Bundle) -> torch.nn.Module | None:
     return model.float().eval().requires_grad_(False)
 
 
-__all__ = ["NativeModernBert", "EncoderOutput", "layer_params", "layer_step", "load_native_model"]
+__all__ = ["NativeModernBert", "EncoderOutput", "layer_params", "layer_step", "layer_types", "load_native_model",
+           "rope_tables"]

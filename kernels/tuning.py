@@ -1,0 +1,106 @@
+"""The committed tile table and the pure `pick_*` functions that read it.
+
+`TABLE` is tuning.json beside this file: per-shape tile configs measured faster than each op's default
+(`gemm.default_config`, `geglu.default_config`, `layernorm.default_config`, gemm_manual's GEMM / GEGLU).
+bench/fast_path.py sweeps the candidates and prints (and writes, `--tuning-out`) a proposed table in this
+format; copying it over tuning.json is how a measured winner becomes what the forward runs. Nothing mutates
+a table at run time: a caller that wants another one passes it (`Tuning.from_json`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+import torch
+
+from . import geglu as _geglu
+from . import gemm as _gemm
+from . import gemm_manual as _gm
+from . import layernorm as _ln
+
+PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuning.json")
+_CLASSES = {"gemm": _gemm.GemmConfig, "geglu": _geglu.GegluConfig, "add_ln": _ln.LNConfig,
+            "gemm_ws": _gm.GemmWSConfig}
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """Measured winners. gemm / geglu: "NxK" (or "FxK") -> config for more than gemm.SMALL_M rows; add_ln: "D" ->
+    config; gemm_ws: "gemm" / "geglu" (every product of that form) or "gemm:NxK" / "geglu:FxK" (one product)."""
+
+    gemm: Mapping[str, Any] = field(default_factory=dict)
+    geglu: Mapping[str, Any] = field(default_factory=dict)
+    add_ln: Mapping[str, Any] = field(default_factory=dict)
+    gemm_ws: Mapping[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> Tuning:
+        """A table from its JSON form ({op: {key: config fields}}); ValueError for an unknown op."""
+        unknown = set(data) - set(_CLASSES)
+        if unknown:
+            raise ValueError("unknown ops in a tuning table: %s (use %s)" % (sorted(unknown), sorted(_CLASSES)))
+        return cls(**{op: {k: _CLASSES[op](**v) for k, v in data.get(op, {}).items()} for op in _CLASSES})
+
+    @classmethod
+    def from_json(cls, path: str = PATH) -> Tuning:
+        """The table in the JSON file `path`; an empty table when the file does not exist."""
+        if not os.path.isfile(path):
+            return cls()
+        with open(path, encoding="utf-8") as fh:
+            return cls.from_dict(json.load(fh))
+
+    def as_dict(self) -> dict[str, dict[str, dict[str, Any]]]:
+        """The JSON form `from_dict` reads."""
+        return {op: {k: asdict(v) for k, v in sorted(getattr(self, op).items())} for op in _CLASSES}
+
+    def with_entry(self, op: str, key: str, cfg: Any) -> Tuning:
+        """A copy with one more (or a replaced) entry."""
+        return replace(self, **{op: {**getattr(self, op), key: cfg}})
+
+
+TABLE = Tuning.from_json()
+
+
+def pick_gemm(M: int, N: int, K: int | None = None, table: Tuning = TABLE) -> _gemm.GemmConfig:
+    """The tile config of an M x N (x K) GEMM: the table's for large M, else `gemm.default_config`."""
+    if N > 64 and M > _gemm.SMALL_M:
+        hit = table.gemm.get("%dx%s" % (N, K))
+        if hit is not None:
+            return hit
+    return _gemm.default_config(M, N)
+
+
+def pick_geglu(M: int, Fd: int, K: int, table: Tuning = TABLE) -> _geglu.GegluConfig:
+    """The tile config of an M-row GeGLU of width Fd over K: the table's for large M, else the default."""
+    if M > _gemm.SMALL_M:
+        hit = table.geglu.get("%dx%d" % (Fd, K))
+        if hit is not None:
+            return hit
+    return _geglu.default_config(M)
+
+
+def pick_add_ln(D: int, table: Tuning = TABLE) -> _ln.LNConfig:
+    """The add+LayerNorm config for width D: the table's, else `layernorm.default_config(D)`."""
+    return table.add_ln.get(str(D)) or _ln.default_config(D)
+
+
+def pick_gemm_ws(M: int, N: int, in_dtype: torch.dtype, out_dtype: torch.dtype, geglu: bool = False,
+                 K: int | None = None, *, arch: str, sms: int, table: Tuning = TABLE) -> _gm.GemmWSConfig | None:
+    """The hand-warp-specialised config an M-row product of N columns (K deep) runs with on `arch` with `sms`
+    multiprocessors, or None for the other kernels (few rows, an fp32 output or N < 64, not Hopper)."""
+    if M <= _gemm.SMALL_M or N < 64 or in_dtype != out_dtype or not arch.startswith("sm_90"):
+        return None
+    form = "geglu" if geglu else "gemm"
+    base = table.gemm_ws.get("%s:%dx%s" % (form, N, K)) or table.gemm_ws.get(form)
+    if base is None:
+        base = _gm.GEGLU if geglu else _gm.GEMM if N >= _gm.CLUSTER_MIN_N else replace(_gm.GEMM, cluster=1)
+    if base.cluster > 1 and sms % base.cluster:   # every block of a persistent cluster launch has its pair
+        base = replace(base, cluster=1)
+    return base if base.persistent == sms else replace(base, persistent=sms)
+
+
+__all__ = ["Tuning", "TABLE", "PATH", "pick_gemm", "pick_geglu", "pick_add_ln", "pick_gemm_ws"]

@@ -1,0 +1,407 @@
+"""The fast forward's layer body and op dispatch: every op a TileLang kernel or its torch reference.
+
+The encoder and decision head run over one packed token bucket (packing.py) in static buffers (graphs.py): GEMM
+with a bias / activation epilogue (Wqkv with RoPE fused), GEMM + GeGLU, residual add + LayerNorm, packed attention.
+After the head's last attention only marker and [CLS] rows are read, so that layer's rest and the scorer run on
+those rows gathered. `ops="torch"` swaps every kernel for its torch reference (same packing, same buffers), which
+also runs on CPU. `kernel_specs` lists what a model of a shape launches, for warm-up and `precompile`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import torch
+
+from kernels import _tl
+from kernels import attention as _attn
+from kernels import geglu as _geglu
+from kernels import gemm as _gemm
+from kernels import gemm_manual as _gm
+from kernels import layernorm as _ln
+from kernels import rope as _rope
+from kernels.tuning import TABLE, Tuning, pick_add_ln, pick_geglu, pick_gemm, pick_gemm_ws
+from model.network import confidence_features
+from model.sequence import Row
+
+from .packing import pow2
+from .weights import SCORER_PAD
+
+OPS = ("gemm", "geglu", "add_ln", "rope", "attention")
+
+
+def sm_count(device: torch.device | None = None) -> int:
+    """Streaming multiprocessors of the CUDA device (132 on the H100 / H200 SXM; that without a GPU)."""
+    if torch.cuda.is_available():
+        idx = device.index if device is not None and device.index is not None else torch.cuda.current_device()
+        return int(torch.cuda.get_device_properties(idx).multi_processor_count)
+    return 132
+
+
+def kernel_specs(d: int, heads: int, inter: int, ffn: int, windows, eps: float = 1e-5, head_eps=(1e-5,),
+                 qkv_bias: bool = False, out_bias: bool = False, norm_bias: bool = False,
+                 attn_cfg: _attn.AttnConfig = _attn.DEFAULT,
+                 dtype: torch.dtype = torch.bfloat16, *, table: Tuning = TABLE, arch: str | None = None,
+                 sms: int | None = None) -> list[tuple[str, tuple]]:
+    """Every (op, builder args) the forward of a model of this shape launches (both tile regimes); `dtype` is
+    the activations' and GEMM weights' (bf16, or fp16: those specs carry it as a last argument). Tiles come from
+    `table` for `arch` (default: the TileLang target) with `sms` multiprocessors (default: this GPU's)."""
+    arch = arch or _tl.target()["arch"]
+    sms = sms or sm_count()
+
+    def ws_cfg(M: int, N: int, geglu: bool = False, K: int | None = None) -> _gm.GemmWSConfig | None:
+        return pick_gemm_ws(M, N, dtype, dtype, geglu, K, arch=arch, sms=sms, table=table)
+
+    specs: list[tuple[str, tuple]] = []
+    adt = dtype
+    half = () if dtype == torch.bfloat16 else (dtype,)  # bf16 specs keep their historical form
+    for g, gg in ((_gemm.SMALL, _geglu.SMALL), (None, pick_geglu(_gemm.SMALL_M + 1, inter, d, table))):
+        def cfg(M: int, N: int, K: int, g=g) -> _gemm.GemmConfig:
+            return g if g is not None else pick_gemm(M, N, K, table)
+
+        big = _gemm.SMALL_M + 1
+        qkv_cfg = cfg(big, 3 * d, d)   # Wqkv rotates Q and K in its epilogue (RoPE fused) when the tile allows
+        qkv = (3 * d, d, qkv_bias, "none", qkv_cfg, adt) + ((adt, 2 * d) if qkv_cfg.bn % 64 == 0 else half)
+        prods = [(3 * d, d, qkv_bias, "none", 2 * d), (d, d, out_bias, "none", 0), (d, inter, out_bias, "none", 0),
+                 (3 * d, d, True, "none", 0), (d, d, True, "none", 0), (ffn, d, True, "relu", 0),
+                 (d, ffn, True, "none", 0), (d, d, True, "gelu", 0)]
+        ws = ws_cfg(big, 3 * d) if g is None else None
+        if ws is not None:
+            # Hopper, many rows: the hand-warp-specialised kernels (kernels/gemm_manual.py); RoPE always fused
+            specs += [("gemm_ws", (N, K, ws_cfg(big, N, K=K), b, a, r, False, adt)) for N, K, b, a, r in prods]
+            specs.append(("gemm_ws", (inter, d, ws_cfg(big, inter, True, d), False, "none", 0, True, adt)))
+            continue
+        specs += [("gemm", qkv),
+                  ("gemm", (d, d, out_bias, "none", cfg(big, d, d), adt, *half)),
+                  ("geglu", (inter, d, gg, *half)),
+                  ("gemm", (d, inter, out_bias, "none", cfg(big, d, inter), adt, *half)),
+                  ("gemm", (3 * d, d, True, "none", cfg(big, 3 * d, d), adt, *half)),
+                  ("gemm", (d, d, True, "none", cfg(big, d, d), adt, *half)),
+                  ("gemm", (ffn, d, True, "relu", cfg(big, ffn, d), adt, *half)),
+                  ("gemm", (d, ffn, True, "none", cfg(big, d, ffn), adt, *half)),
+                  ("gemm", (d, d, True, "gelu", cfg(big, d, d), adt, *half))]
+    specs.append(("gemm", (SCORER_PAD, d, True, "none", _gemm.NARROW, torch.float32, *half)))
+    ln = (pick_add_ln(d, table), dtype)  # add_ln's (cfg, residual dtype)
+    specs += [("add_ln", (d, "inplace", norm_bias, eps, adt, *ln)), ("add_ln", (d, "add", norm_bias, eps, adt, *ln)),
+              ("add_ln", (d, "add_inplace", norm_bias, eps, adt, *ln))]
+    for e in sorted(set(head_eps)):
+        specs += [("add_ln", (d, "plain", True, e, adt, *ln)), ("add_ln", (d, "add", True, e, adt, *ln))]
+    specs.append(("rope", (heads, _rope.RopeConfig(), dtype) if half else (heads,)))
+    for win in sorted(set(windows) | {0}):
+        specs.append(("attention", (heads, win, attn_cfg, *half)))
+    specs.append(("attention", (max(1, d // 64), 0, attn_cfg, *half)))
+    return list(dict.fromkeys(specs))
+
+
+def spec_op(spec: tuple[str, tuple]) -> str:
+    """The forward op (a key of OPS, which `ops` sets to TileLang or torch) a kernel spec serves: a manual GEMM
+    spec serves `gemm`, or `geglu` in its GeGLU form."""
+    kind, args = spec
+    if kind == "gemm_ws":
+        return "geglu" if args[6] else "gemm"
+    return kind
+
+
+BUILDERS = {"gemm": _gemm.gemm_kernel, "gemm_ws": _gm.gemm_manual_kernel, "geglu": _geglu.geglu_kernel,
+            "add_ln": _ln.add_ln_kernel,
+            "rope": _rope.rope_kernel, "attention": _attn.attention_kernel}
+
+
+def compile_specs(specs: list[tuple[str, tuple]], workers: int | None = None) -> float:
+    """Compile (or load from TileLang's cache) every kernel in specs, in parallel; returns seconds."""
+    t = time.perf_counter()
+    _tl.tl()  # import on this thread first
+    n = workers or max(1, min(len(specs), os.cpu_count() or 1))
+    with ThreadPoolExecutor(n) as ex:
+        list(ex.map(lambda s: BUILDERS[s[0]](*s[1]), specs))
+    return time.perf_counter() - t
+
+
+class ForwardOps:
+    """The op dispatch and layer body of `FastForward` (see the module docstring)."""
+
+    def _ws_cfg(self, M: int, N: int, in_dtype: torch.dtype, out_dtype: torch.dtype, geglu: bool = False,
+                K: int | None = None) -> _gm.GemmWSConfig | None:
+        """The hand-warp-specialised config of this product, or None for kernels/gemm.py and kernels/geglu.py."""
+        return pick_gemm_ws(M, N, in_dtype, out_dtype, geglu, K, arch=self.arch, sms=self.sms, table=self.tuning)
+
+    def _mark(self, kind: str):
+        """Start a timed region when profiling (see `profile`); returns a token for `_done`."""
+        if self._prof is None:
+            return None
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return kind, ev
+
+    def _done(self, tok) -> None:
+        if tok is not None:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self._prof.append((tok[0], tok[1], ev))
+
+    def _gemm(self, a, w, bias, out, act="none"):
+        tok = self._mark("gemm %dx%d" % (w.shape[0], a.shape[1]))
+        if self.ops["gemm"] == "tilelang":
+            M, N = a.shape[0], w.shape[0]
+            b = bias if bias is not None else self._zero_bias[:N]
+            ws = self._ws_cfg(M, N, a.dtype, out.dtype, K=a.shape[1])
+            if ws is not None:
+                _gm.gemm_manual_kernel(N, a.shape[1], ws, bias is not None, act, 0, False, a.dtype)(a, w, b, out)
+            else:
+                cfg = pick_gemm(M, N, a.shape[1], self.tuning)
+                _gemm.gemm_kernel(N, a.shape[1], bias is not None, act, cfg, out.dtype, a.dtype)(a, w, b, out)
+        else:
+            out.copy_(_gemm.gemm_ref(a, w, bias, act, out.dtype))
+        self._done(tok)
+
+    def _fused_rope(self, M: int) -> bool:
+        """Whether Wqkv's GEMM rotates Q and K in its epilogue at M tokens (both ops TileLang, a 64-wide tile)."""
+        return (self.ops["gemm"] == "tilelang" and self.ops["rope"] == "tilelang"
+                and (self._ws_cfg(M, 3 * self.d, self.act_dtype, self.act_dtype, K=self.d) is not None
+                     or pick_gemm(M, 3 * self.d, self.d, self.tuning).bn % 64 == 0))
+
+    def _qkv(self, a, ly, pos, table, out):
+        """Wqkv and RoPE: one GEMM with a rotating epilogue, or the GEMM then the RoPE op."""
+        if not self._fused_rope(a.shape[0]):
+            self._gemm(a, ly.wqkv, ly.bqkv, out)
+            self._rope(out, pos, table)
+            return
+        tok = self._mark("gemm %dx%d+rope" % (ly.wqkv.shape[0], a.shape[1]))
+        N, K = ly.wqkv.shape
+        b = ly.bqkv if ly.bqkv is not None else self._zero_bias[:N]
+        ws = self._ws_cfg(a.shape[0], N, a.dtype, out.dtype, K=K)
+        if ws is not None:
+            kern = _gm.gemm_manual_kernel(N, K, ws, ly.bqkv is not None, "none", 2 * self.d, False, a.dtype)
+        else:
+            cfg = pick_gemm(a.shape[0], N, K, self.tuning)
+            kern = _gemm.gemm_kernel(N, K, ly.bqkv is not None, "none", cfg, out.dtype, a.dtype, 2 * self.d)
+        kern(a, ly.wqkv, b, out, pos, table[0], table[1])
+        self._done(tok)
+
+    def _geglu(self, a, wi, out):
+        tok = self._mark("geglu %dx%d" % (wi.shape[0] // 2, a.shape[1]))
+        if self.ops["geglu"] == "tilelang":
+            Fd = wi.shape[0] // 2
+            ws = self._ws_cfg(a.shape[0], Fd, a.dtype, out.dtype, geglu=True, K=a.shape[1])
+            if ws is not None:
+                _gm.gemm_manual_kernel(Fd, a.shape[1], ws, False, "none", 0, True, a.dtype)(a, wi, out)
+            else:
+                cfg = pick_geglu(a.shape[0], Fd, a.shape[1], self.tuning)
+                _geglu.geglu_kernel(Fd, a.shape[1], cfg, a.dtype)(a, wi, out)
+        else:
+            out.copy_(_geglu.geglu_ref(a, wi))
+        self._done(tok)
+
+    def _add_ln(self, x, r, norm, eps, y, mode):
+        tok = self._mark("add_ln")
+        wt, b = norm[0], norm[1]
+        if self.ops["add_ln"] == "tilelang":
+            rr = r if r is not None else self.R[:x.shape[0]]   # not read, but the host stub checks it
+            cfg = pick_add_ln(x.shape[1], self.tuning)
+            _ln.add_ln_kernel(x.shape[1], mode, b is not None, eps, y.dtype, cfg, rr.dtype)(
+                x, rr, wt, b if b is not None else wt, y)
+        else:
+            xn, yn = _ln.add_ln_ref(x, r, wt, b, eps, mode, y.dtype)
+            if mode != "plain":
+                x.copy_(xn)
+            y.copy_(yn)
+        self._done(tok)
+
+    def _rope(self, qkv, pos, table):
+        tok = self._mark("rope")
+        cos, sin = table
+        if self.ops["rope"] == "tilelang":
+            _rope.rope_kernel(self.heads, dtype=qkv.dtype)(qkv, pos, cos, sin)
+        else:
+            qkv.copy_(_rope.rope_ref(qkv, pos, cos, sin, self.heads))
+        self._done(tok)
+
+    def _attention(self, qkv, v, heads, window, out):
+        tok = self._mark("attention %s" % ("window %d" % window if window else "full %d heads" % heads))
+        if self.ops["attention"] == "tilelang":
+            _attn.attention_kernel(heads, window, self.attn_cfg, qkv.dtype)(qkv, v["cu"], v["tiles"], out)
+        else:
+            out.copy_(_attn.attention_dense(qkv, v["trow"], v["pos"], heads, window))
+        self._done(tok)
+
+    @torch.no_grad()
+    def profile(self, rows: Sequence[Row], repeats: int = 3) -> dict:
+        """GPU time per op kind of one eager forward of `rows` (one chunk): {bucket, tokens, total_ms,
+        ops: {kind: ms}, other_ms}; needs CUDA. Medians over `repeats` runs."""
+        rows = list(rows)
+        self._check(rows)
+        with self._lock:
+            total = sum(len(r.ids) for r in rows)
+            Tb = self.bucket_for(total, len(rows))
+            _, g = self._stage(rows, Tb)
+            self._ints[:self._int_size(Tb)].copy_(self._ints_host[:self._int_size(Tb)])
+            self._body(Tb, g)
+            runs = []
+            for _ in range(repeats):
+                self._prof = []
+                t0 = torch.cuda.Event(enable_timing=True)
+                t1 = torch.cuda.Event(enable_timing=True)
+                t0.record()
+                self._body(Tb, g)
+                t1.record()
+                torch.cuda.synchronize(self.device)
+                ops: dict[str, float] = {}
+                for kind, a, b in self._prof:
+                    ops[kind] = ops.get(kind, 0.0) + a.elapsed_time(b)
+                runs.append((t0.elapsed_time(t1), ops))
+                self._prof = None
+        runs.sort(key=lambda r: r[0])
+        tot, ops = runs[len(runs) // 2]
+        return {"bucket": Tb, "tokens": total, "rows": len(rows), "head_rows": g, "total_ms": tot, "ops": ops,
+                "other_ms": tot - sum(ops.values())}
+
+    def _body(self, Tb: int, g: int) -> None:
+        """The encoder and head over bucket Tb; the head's last layer after its attention, and the scorer, on the
+        g rows listed in gidx (marker and [CLS] tokens, then padding pointing at the scratch row T_max)."""
+        v = self._views(Tb)
+        X, Y, QKV, Ob, R = self.X[:Tb], self.Y[:Tb], self.QKV[:Tb], self.O[:Tb], self.R[:Tb]
+        torch.index_select(self.emb, 0, v["ids"], out=X)
+        self._add_ln(X, None, self.emb_norm, self.eps, Y, "inplace")
+        n = len(self.layers)
+        for i, ly in enumerate(self.layers):
+            self._qkv(Y, ly, v["pos"], self.rope_tables[ly.rope], QKV)
+            self._attention(QKV, v, self.heads, ly.window, Ob)
+            self._gemm(Ob, ly.wo, ly.bo, R)
+            self._add_ln(X, R, ly.mlp_norm, self.eps, Y, "add")
+            G = self.G[:Tb * self.inter].view(Tb, self.inter)
+            self._geglu(Y, ly.wi, G)
+            self._gemm(G, ly.wo2, ly.bo2, R)
+            if i + 1 < n:
+                self._add_ln(X, R, self.layers[i + 1].attn_norm, self.eps, Y, "add")
+            else:
+                self._add_ln(X, R, self.final_norm, self.eps, Y, "add_inplace")
+        X.add_(self.type_emb.index_select(0, v["ttype"]))
+        hn = len(self.head_layers)
+        h0 = self.head_layers[0]
+        self._add_ln(X, None, h0.norm1[:2], h0.norm1[2], Y, "plain")
+        F1 = self.G[:Tb * self.ffn].view(Tb, self.ffn)
+        for j, hl in enumerate(self.head_layers):
+            self._gemm(Y, hl.win, hl.bin, QKV)
+            self._attention(QKV, v, self.head_heads, 0, Ob)
+            if j + 1 == hn:
+                self._head_tail(hl, v["gidx"][:g], g)
+                return
+            self._gemm(Ob, hl.wout, hl.bout, R)
+            self._add_ln(X, R, hl.norm2[:2], hl.norm2[2], Y, "add")
+            self._gemm(Y, hl.w1, hl.b1, F1, "relu")
+            self._gemm(F1, hl.w2, hl.b2, R)
+            nxt = self.head_layers[j + 1].norm1
+            self._add_ln(X, R, nxt[:2], nxt[2], Y, "add")
+
+    def _head_tail(self, hl: Any, gi: torch.Tensor, g: int) -> None:
+        """The head's last layer after its attention, and the scorer, on the g gathered rows `gi` (token indices);
+        their residual rows and scores are written back to X and S at those indices. The free QKV buffer holds
+        the gathered residual (fp32) and attention output."""
+        d = self.d
+        flat = self.QKV.view(-1)
+        Xg = flat.view(torch.float32)[:g * d].view(g, d)
+        off = g * d * 4 // flat.element_size()
+        Og = flat[off:off + g * d].view(g, d)
+        torch.index_select(self.O, 0, gi, out=Og)
+        torch.index_select(self.X, 0, gi, out=Xg)
+        Rg, Yg = self.R[:g], self.Y[:g]
+        Fg = self.G[:g * self.ffn].view(g, self.ffn)
+        self._gemm(Og, hl.wout, hl.bout, Rg)
+        self._add_ln(Xg, Rg, hl.norm2[:2], hl.norm2[2], Yg, "add")
+        self._gemm(Yg, hl.w1, hl.b1, Fg, "relu")
+        self._gemm(Fg, hl.w2, hl.b2, Rg)
+        self._add_ln(Xg, Rg, self.scorer_norm[:2], self.scorer_norm[2], Yg, "add")
+        Hg = self.G[:g * d].view(g, d)
+        self._gemm(Yg, self.scorer_w1, self.scorer_b1, Hg, "gelu")
+        self._gemm(Hg, self.scorer_w2, self.scorer_b2, self.Sg[:g])
+        idx = gi.long()
+        self.X.index_copy_(0, idx, Xg)
+        self.S.index_copy_(0, idx, self.Sg[:g])
+
+    def _tail_body(self, nb: int, kb: int, ints: torch.Tensor | None = None) -> torch.Tensor:
+        ints = self._tail if ints is None else ints
+        mk = ints[:nb * kb].view(nb, kb)
+        cls = ints[nb * kb:nb * kb + nb]
+        valid = mk >= 0
+        s = self.S[:, 0]
+        logits = s.index_select(0, mk.clamp(min=0).reshape(-1)).view(nb, kb).masked_fill(~valid, -1e4)
+        feats = confidence_features(logits, valid)
+        h0 = self.X.index_select(0, cls)
+        act = self.act_head(torch.cat([h0, feats], -1)).float()
+        return torch.cat([logits, torch.softmax(act, -1)[:, :1]], 1)
+
+    @torch.no_grad()
+    def _launch_chunk(self, rows: Sequence[Row], slot: int) -> tuple[torch.Tensor, Any, int, int]:
+        """Stage one chunk in host slot `slot` and queue its GPU work (encoder graph, tail, the copy of its
+        outputs to pinned host memory) without waiting for it; returns (host outputs, done event, kmax, kb)."""
+        n = len(rows)
+        total = sum(len(r.ids) for r in rows)
+        Tb = self.bucket_for(total, n)
+        cuda = self.device.type == "cuda"
+        ints_host, tail_host = self._slots[slot]
+        if self._slot_done[slot] is not None:   # the chunk that last used this slot has read it
+            self._slot_done[slot].synchronize()
+        cu, gb = self._stage(rows, Tb, ints_host)
+        size = self._int_size(Tb)
+        self._ints[:size].copy_(ints_host[:size], non_blocking=True)
+        self._encoder(Tb, gb)
+        kmax = max((len(r.markers) for r in rows), default=0)
+        nb = pow2(n)
+        kb = pow2(kmax, 2)
+        m = nb * (kb + 1)
+        if kb <= self.K_max:
+            self._stage_tail(rows, cu, nb, kb, tail_host.numpy())
+            self._tail[:m].copy_(tail_host[:m], non_blocking=True)
+            res = self._tail_run(nb, kb)
+        else:  # more markers than any tail graph holds: run the (small) tail eagerly
+            st = np.empty(m, dtype=np.int32)
+            self._stage_tail(rows, cu, nb, kb, st)
+            self.stats.eager_tails += 1
+            res = self._tail_body(nb, kb, torch.from_numpy(st).to(self.device))
+        # res is a static buffer the next chunk's tail overwrites: copy it out now (stream order keeps the copy
+        # ahead of that overwrite)
+        out = torch.empty((n, res.shape[1]), dtype=res.dtype, pin_memory=cuda)
+        out.copy_(res[:n], non_blocking=cuda)
+        done = None
+        if cuda:
+            done = torch.cuda.Event()
+            done.record()
+        self._slot_done[slot] = done
+        self.stats.chunks += 1
+        self.stats.tokens += total
+        self.stats.padded_tokens += Tb
+        return out, done, kmax, kb
+
+    @staticmethod
+    def _collect(pending: tuple[torch.Tensor, Any, int, int]) -> tuple[np.ndarray, np.ndarray]:
+        out, done, kmax, kb = pending
+        if done is not None:
+            done.synchronize()
+        o = out.numpy()
+        return np.ascontiguousarray(o[:, :kmax]), np.ascontiguousarray(o[:, kb])
+
+    def forward(self, rows: Sequence[Row], max_tokens: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Score rows: (logits [N, kmax] float32 with -1e4 past each row's k, P(action 0) [N] float32). Rows are cut
+        into chunks of at most min(T_max, max_tokens) tokens (a longer row is a chunk of its own)."""
+        rows = list(rows)
+        if not rows:
+            return np.zeros((0, 0), np.float32), np.zeros((0,), np.float32)
+        self._check(rows)
+        kmax = max(len(r.markers) for r in rows)
+        with self._lock:
+            self.stats.forwards += 1
+            # every chunk is queued before any is collected: while the GPU runs chunk k the host stages chunk
+            # k + 1 (two staging slots; a slot is refilled only after its previous chunk's GPU work is done)
+            pending = [self._launch_chunk(c, i % 2) for i, c in enumerate(self._chunks(rows, max_tokens))]
+            parts = [self._collect(p) for p in pending]
+        logits = np.full((len(rows), kmax), -1e4, dtype=np.float32)
+        pos = 0
+        for lg, _ in parts:
+            logits[pos:pos + lg.shape[0], :lg.shape[1]] = lg
+            pos += lg.shape[0]
+        return logits, np.concatenate([p for _, p in parts]).astype(np.float32)

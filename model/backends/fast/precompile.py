@@ -1,0 +1,91 @@
+"""Build the fast backend's TileLang kernels ahead of time into the kernel cache (no GPU needed; sm_90a by default).
+
+    laya-fleet precompile --shapes tiny modernbert-large [--fp16] [--pack FILE.tar.xz]
+    python -m model.backends.fast.precompile ...          (the same command)
+
+The cache (TileLang's, under `model.cache.local_dir("tilelang")`) is keyed by the kernel source, target and
+tilelang version, not by the machine's Python or paths, so a cache filled here serves the GPU box. `--tests`
+and `--sweep` also build the kernels of tests/test_kernels.py and bench/fast_path.py's sweep (from a checkout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+import time
+
+import torch
+
+from .backend import configure_tilelang
+from .forward import compile_specs, kernel_specs
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+
+def shape_dims(shape: str) -> dict:
+    """Model dimensions of a make-checkpoint shape: d, heads, inter, ffn, windows."""
+    from model.make_checkpoint import SHAPES
+
+    s = SHAPES[shape]
+    return dict(d=s["hidden"], heads=s["heads"], inter=s["ff"], ffn=4 * s["hidden"], windows={0, 64})
+
+
+def model_specs(shape: str, dtype: torch.dtype = torch.bfloat16) -> list[tuple[str, tuple]]:
+    """The kernels a make-checkpoint shape's fast forward uses (bf16, or fp16 with act_dtype=torch.float16)."""
+    return kernel_specs(**shape_dims(shape), dtype=dtype)
+
+
+def _checkout_specs(module: str, fn: str) -> list[tuple[str, tuple]]:
+    """Kernel lists that live in the checkout's tests/ or bench/ (developer flags only)."""
+    if ROOT not in sys.path:
+        sys.path.insert(0, ROOT)
+    return getattr(importlib.import_module(module), fn)()
+
+
+def pack_cache(path: str) -> int:
+    """Write the node-local TileLang kernel cache (`tilelang/` under the local cache root) to `path` as tar.xz;
+    returns its size in bytes."""
+    import tarfile
+
+    from model.cache import local_dir
+
+    src = local_dir("tilelang")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with tarfile.open(path, "w:xz") as tar:
+        tar.add(src, arcname="tilelang")
+    return os.path.getsize(path)
+
+
+def run(a: argparse.Namespace) -> int:
+    """Compile what the parsed flags ask for; returns the exit status."""
+    configure_tilelang(a.arch)
+    specs = []
+    for s in a.shapes:
+        specs += model_specs(s)
+        if a.fp16:
+            specs += model_specs(s, torch.float16)
+    if a.tests:
+        specs += _checkout_specs("tests.kernel_specs", "test_specs")
+    if a.sweep:
+        specs += _checkout_specs("bench.fastpath_sweep", "sweep_specs")
+    specs = list(dict.fromkeys(specs))
+    t = time.perf_counter()
+    compile_specs(specs, a.workers)
+    print("%d kernels ready in %.1fs" % (len(specs), time.perf_counter() - t))
+    if a.pack:
+        print("packed %s (%.1f MB)" % (a.pack, pack_cache(a.pack) / 1e6))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `python -m model.backends.fast.precompile`: `laya-fleet precompile` (whose flags it takes);
+    returns the exit status."""
+    from model.cli import main as cli_main
+
+    return cli_main(["precompile", *(sys.argv[1:] if argv is None else argv)])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
