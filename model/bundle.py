@@ -32,8 +32,8 @@ class Bundle:
     """A checkpoint directory's parsed contents (config, encoder config, tokenizer).
 
     `encoder_config` (transformers' config object) is built on first use: importing transformers'
-    auto classes costs seconds on some hosts (BENCHMARKS.md), and the ingress (tokenizer only) and the fast
-    backend (`light_encoder_config`) never need it.
+    auto classes is slow, and the codec (tokenizer only) and the plain-torch encoders (`light_encoder_config`)
+    never need it.
     """
 
     path: str
@@ -122,7 +122,7 @@ def load_encoder_config(path: str, cfg: dict) -> Any:
     return ecfg
 
 
-# what the fast backend and the light model read from a ModernBERT config (model/light.py, kernels/forward.py)
+# what the plain-torch encoders read from a ModernBERT config (model/backends/fast/weights.py, torch_encoder.py)
 LIGHT_KEYS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size",
               "norm_eps", "local_attention", "layer_types", "rope_parameters")
 LIGHT_OPTIONAL = {"hidden_activation": "gelu", "mlp_bias": False, "norm_bias": False, "attention_bias": False,

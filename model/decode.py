@@ -66,8 +66,8 @@ class Temperatures:
         return self.by_options.get("%s:%s" % (QTYPE_NAMES[qtype], size), self.by_type[qtype])
 
 
-# The ufuncs' own reduce and minimum/maximum, not ndarray.max()/.sum()/np.clip: the same arithmetic without their
-# Python wrappers, which were a third of decoding a 10-state request (~1 ms on the H200 host)
+# The ufuncs' own reduce and minimum/maximum, not ndarray.max()/.sum()/np.clip: the same arithmetic without
+# their Python wrappers (a large share of decoding a request's time)
 _MAX, _SUM = np.maximum.reduce, np.add.reduce
 
 

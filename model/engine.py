@@ -2,20 +2,16 @@
 
 The pipeline is split so that serving can run each stage where it belongs: `prepare` validates a
 question set (once per request), `encode` tokenizes a state into rows (CPU), `score` runs the
-backend forward (GPU), and `decode` builds the answer JSON (CPU). `predict` / `predict_batch` chain
-them in-process with the same results as upstream `laya` 0.4.15.
+backend forward (GPU), and `decode` builds the answer JSON (CPU). The CPU stages are the weightless
+`model.codec.Codec`'s; `predict` / `predict_batch` chain them in-process with the same results as
+upstream `laya` 0.4.15.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import threading
 import warnings
-from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -23,49 +19,12 @@ import torch
 
 from . import decode as _decode
 from .bundle import Bundle, checkpoint_hash, load_model, open_bundle
-from .questions import Question, validate_questions
-from .sequence import EncodedState, Head, Row, SequenceBuilder
-
-LIGHT_ENV = "LAYA_FLEET_FAST_LIGHT_MODEL"  # "0": the fast backend reads weights from the full transformers model
-NATIVE_ENV = "LAYA_FLEET_COMPILE_NATIVE"  # "0": the compile backend compiles transformers' ModernBertModel
+from .codec import Codec, Prepared
+from .sequence import EncodedState, Row
 
 log = logging.getLogger(__name__)
 
-PREPARED_CACHE_SIZE = 256           # question sets kept prepared (validated, heads tokenized) per engine
-PREPARED_CACHE_MAX_KEY = 64 * 1024  # larger question sets are prepared on every call, not cached
-
-
-def _prepared_key(questions: Any) -> str | None:
-    """The question set's JSON text when it is plain JSON data that survives a round trip unchanged (so equal
-    texts mean equal question sets: no int keys turned to strings, no tuples, no objects), else None."""
-    try:
-        text = json.dumps(questions, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
-    except (TypeError, ValueError, RecursionError):
-        return None
-    if len(text) > PREPARED_CACHE_MAX_KEY or json.loads(text) != questions:
-        return None
-    return text
-
-
-@dataclass(frozen=True)
-class Prepared:
-    """A validated question set with its state-independent heads, ready to encode states against."""
-
-    questions: tuple[Question, ...]
-    heads: tuple[Head, ...]
-    max_len: int
-    head_max_len: int
-
-    def __bool__(self) -> bool:
-        return bool(self.questions)
-
-
-def _check_budget(name: str, value: Any) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError("%s must be a positive integer, got %r" % (name, value))
-    return value
+__all__ = ["Engine", "Prepared", "load", "resolve_device"]
 
 
 class Engine:
@@ -74,12 +33,11 @@ class Engine:
     def __init__(self, bundle: Bundle, backend: Any):
         self.bundle = bundle
         self.backend = backend
-        self.builder = SequenceBuilder(bundle.tokenizer, bundle.max_len, bundle.head_max_len)
-        self.builder.row_arrays = bool(getattr(backend, "packed", False))   # the fast backend stages Row.arr
-        self.temperatures = _decode.Temperatures(bundle.cfg, bundle.path)
+        # a packed backend stages rows from their int32 arrays (Row.arr)
+        self.codec = Codec(bundle, backend.max_tokens_per_row, row_arrays=bool(backend.packed))
+        self.builder = self.codec.builder
+        self.temperatures = self.codec.temperatures
         self._hash: str | None = None
-        self._prepared: OrderedDict[tuple, Prepared] = OrderedDict()
-        self._prepared_lock = threading.Lock()
 
     # -- facts --------------------------------------------------------------------------------
     @property
@@ -106,55 +64,27 @@ class Engine:
 
     # -- stages -------------------------------------------------------------------------------
     def prepare(self, questions: Any, max_len: int | None = None, head_max_len: int | None = None) -> Prepared:
-        """Validate and normalise a question set and build its heads; ValueError names a bad question.
-
-        Remembered per question set and budgets (the last PREPARED_CACHE_SIZE; clients repeat their question
-        sets), for question sets of plain JSON data; an invalid set is never remembered."""
-        plain = all(v is None or (isinstance(v, int) and not isinstance(v, bool)) for v in (max_len, head_max_len))
-        text = _prepared_key(questions) if plain else None
-        key = None if text is None else (text, max_len, head_max_len)
-        if key is not None:
-            with self._prepared_lock:
-                hit = self._prepared.get(key)
-                if hit is not None:
-                    self._prepared.move_to_end(key)
-                    return hit
-        qs = validate_questions(questions)
-        ml = _check_budget("max_len", max_len) or self.bundle.max_len
-        hml = _check_budget("head_max_len", head_max_len) or self.bundle.head_max_len
-        if ml > self.backend.max_tokens_per_row:
-            raise ValueError("max_len=%d is longer than this backend supports (%d tokens per row)"
-                             % (ml, self.backend.max_tokens_per_row))
-        prepared = Prepared(tuple(qs), tuple(self.builder.head(q, hml) for q in qs), ml, hml)
-        if key is not None:
-            with self._prepared_lock:
-                self._prepared[key] = prepared
-                while len(self._prepared) > PREPARED_CACHE_SIZE:
-                    self._prepared.popitem(last=False)
-        return prepared
+        """The validated question set with its heads (`Codec.prepare`); ValueError names a bad question."""
+        return self.codec.prepare(questions, max_len, head_max_len)
 
     def encode(self, state: Any, prepared: Prepared, state_ids: list[int] | None = None) -> EncodedState:
         """Rows for one state (TypeError for a None state; ValueError if options do not fit)."""
-        if state is None:
-            raise TypeError("state must not be None; pass a string, dict, or list")
-        return self.builder.encode(state, prepared.questions, prepared.heads, state_ids=state_ids,
-                                   max_len=prepared.max_len, head_max_len=prepared.head_max_len)
+        return self.codec.encode(state, prepared, state_ids)
 
     def encode_many(self, states: Sequence[Any], prepared: Prepared) -> list[EncodedState]:
         """Rows for many states; the states are tokenized in one parallel batch."""
-        for s in states:
-            if s is None:
-                raise TypeError("state must not be None; pass a string, dict, or list")
-        ids = self.builder.states_ids(states)
-        return [self.encode(s, prepared, i) for s, i in zip(states, ids)]
+        return self.codec.encode_many(states, prepared)
 
-    def score(self, rows: Sequence[Row]) -> tuple[np.ndarray, np.ndarray]:
-        """Backend forward over rows: (logits [N, kmax], P(action 0) [N])."""
-        return self.backend.forward(rows)
+    def score(self, rows: Sequence[Row], max_tokens: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Backend forward over rows: (logits [N, kmax], P(action 0) [N]). `max_tokens` caps the chunks of a
+        backend that cuts its own (`backend.chunk_tokens` not None); others score rows as one batch."""
+        if max_tokens is None:
+            return self.backend.forward(rows)
+        return self.backend.forward(rows, max_tokens=max_tokens)
 
     def decode(self, prepared: Prepared, enc: EncodedState, logits: np.ndarray, act_p0: np.ndarray) -> dict:
         """The answer JSON for one state from its rows' outputs."""
-        return _decode.result(prepared.questions, prepared.heads, enc, logits, act_p0, self.temperatures)
+        return self.codec.decode(prepared, enc, logits, act_p0)
 
     # -- in-process API -----------------------------------------------------------------------
     def predict(self, state: Any, questions: Any, **kw: Any) -> dict:
@@ -234,8 +164,7 @@ def load(path: str, device: Any = None, backend: str = "auto", cache_dir: str | 
     `Engine.warmup()` publishes what was compiled. The session is `engine.cache` (None for eager).
     """
     from . import cache as _cache
-    from .backends import ALIASES, BackendUnavailable, make_backend
-    from .light import load_fast_model
+    from .backends import ALIASES, BackendUnavailable, cache_code, make_backend
 
     bundle = open_bundle(path)
     dev = resolve_device(device)
@@ -243,12 +172,15 @@ def load(path: str, device: Any = None, backend: str = "auto", cache_dir: str | 
     if name == "auto":
         name = "fast" if dev.type == "cuda" else "eager"
     session, ckpt = None, None
-    if name in _cache.BACKEND_KINDS and name != "eager":
-        kinds = tuple(k for k in _cache.BACKEND_KINDS[name] if dev.type == "cuda" or k == "inductor")
+    if name in ("fast", "compile", "aot"):
+        kinds = cache_code(name, dev)
         ckpt = checkpoint_hash(bundle.path) if kinds else None
         session = _cache.configure(cache_dir, ckpt, dev, kinds)
-    # the fast backend reads weights only: its model skips transformers' modeling code (model/light.py)
-    model = load_fast_model(bundle) if name == "fast" and os.environ.get(LIGHT_ENV, "1") != "0" else None
+    model = None
+    if name == "fast":  # weights only: skips transformers' modeling code (model/backends/fast/weights.py)
+        from .backends.fast.weights import load_fast_model
+
+        model = load_fast_model(bundle)
     if model is not None:
         try:
             be = make_backend("fast", model, bundle, dev, **options)
@@ -259,9 +191,8 @@ def load(path: str, device: Any = None, backend: str = "auto", cache_dir: str | 
             model = load_model(bundle)
             be = make_backend("eager", model, bundle, dev)
     else:
-        model = None
-        if name == "compile" and os.environ.get(NATIVE_ENV, "1") != "0":
-            from .native import load_native_model  # plain-torch ModernBERT: nothing of transformers to import
+        if name == "compile":
+            from .backends.torch_encoder import load_native_model  # plain-torch ModernBERT: no transformers import
 
             model = load_native_model(bundle)
         if model is None and name != "aot":  # an AOTI package carries its weights: no model to build here

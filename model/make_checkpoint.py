@@ -189,9 +189,8 @@ def _scale_scorer(model, tok, ids, gen) -> None:
         att[i, :len(seq)] = 1
         mpos[i, :len(markers)] = torch.tensor(markers)
         mmask[i, :len(markers)] = True
-    # Features the scorer's last layer sees at each marker. Random weights give them a large
-    # component shared by every option; removing it from the output weights keeps logits moderate
-    # (about +-3) while their spread across options, which is all a softmax reads, is ~2.
+    # Random weights give the marker features a large component shared by every option: removing it from the
+    # output weights keeps logits moderate while keeping their spread across options (all a softmax reads)
     h = model.encoder(input_ids=inp, attention_mask=att).last_hidden_state
     h = h + model.type_emb(torch.zeros(len(rows), dtype=torch.long))[:, None, :]
     keep = att.bool()[:, None, None, :]

@@ -22,18 +22,14 @@ OPTION_TOKEN_CAP = 48      # tokens kept per option text (after its [MASK])
 MIN_OPTION_BUDGET = 16     # below this many spare head tokens, options are cut evenly
 MIN_PER_OPTION = 4         # ... but never below this many tokens each ([MASK] included)
 MIN_INSTRUCTION_TOKENS = 8
-# Long state texts are tokenized in pieces, cut only at a single space between two letters or digits, all pieces
-# of a call in one parallel batch: the ids are the same (see `piece_safe`), and one long text no longer runs on
-# one core (a 700-word state took 1.55 ms on one core of the H200 host). A call of few texts on many cores is cut
-# into about 4 pieces a core, never under PIECE_CHARS characters; a call of at least 2 texts a core, or on one
-# core, is not cut. LAYA_FLEET_TOKENIZE_PIECES=0 turns it off.
+# Long state texts are tokenized in pieces (the same ids, see `piece_safe`), all pieces of a call in one parallel
+# batch, so one long text does not run on one core (see BENCHMARKS.md, "long states tokenized in pieces").
 PIECE_CHARS = 512
 
 log = logging.getLogger(__name__)
 
-# Normalizers and pre-tokenizers that act on each character, or split at every space, so that cutting a text at
-# one space between two non-space characters cannot change a token: the space already begins a new pre-token
-# (byte-level BPE's regex never puts a space after a non-space character in one pre-token; the others split there).
+# Normalizers and pre-tokenizers under which a cut at one space between two non-space characters changes no token:
+# that space already begins a new pre-token (byte-level BPE's regex included)
 _SAFE_NORMALIZERS = {"NFC", "NFD", "NFKC", "NFKD", "Lowercase", "BertNormalizer", "StripAccents"}
 _SAFE_PRE_TOKENIZERS = {"ByteLevel", "BertPreTokenizer", "Whitespace", "WhitespaceSplit", "Punctuation", "Digits"}
 _SELF_CHECK = ("The quick brown fox's 12 jumps, 3.5 times: over the lazy dog!  Twice  spaced. "
@@ -117,9 +113,8 @@ class Row:
     ids: list[int]
     markers: list[int]
     qtype: int
-    # The same ids as int32, when SequenceBuilder made the row (row_arrays): the fast backend stages it with one
-    # concatenate instead of converting every Python int (0.86 ms for the 10 x 3 call's 15360 tokens on the H200
-    # host). Not pickled (a row sent to another process carries its ids once); None means "convert ids".
+    # The same ids as int32 when the builder's row_arrays is on (a packed backend stages them in one concatenate).
+    # Not pickled: a row sent to another process carries its ids once; None means "convert ids".
     arr: np.ndarray | None = field(default=None, compare=False, repr=False)
 
     def __len__(self) -> int:
@@ -155,9 +150,8 @@ class SequenceBuilder:
 
     def __init__(self, tokenizer: Any, max_len: int = 512, head_max_len: int = 192):
         self.tokenizer = tokenizer
-        # A private copy of the Rust tokenizer: identical ids to the HF wrapper with
-        # add_special_tokens=False, but nobody else can switch truncation or padding on it (the HF
-        # wrapper mutates its backend on `truncation=True`), so it is safe to share between threads.
+        # A private copy of the Rust tokenizer (the HF wrapper's ids): nobody can switch truncation or padding on
+        # it, as the wrapper does on `truncation=True`, so threads may share it
         from tokenizers import Tokenizer
 
         self._backend = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
@@ -172,9 +166,8 @@ class SequenceBuilder:
         self.pad_id = tokenizer.pad_token_id
         self.max_len = int(max_len)
         self.head_max_len = int(head_max_len)
-        # Give rows their ids as int32 arrays too (Row.arr): only worth it where the rows go to a packed backend in
-        # this process (the Engine of a fast backend, the offline job's scoring actors); an ingress that ships rows
-        # to a scorer, or the offline tokenize stage, would build them for nothing
+        # Rows also carry int32 ids (Row.arr) only where a packed backend in this process stages them (the codec
+        # of a fast-backend Engine); rows shipped to another process would build them for nothing
         self.row_arrays = False
 
     # -- tokenization -------------------------------------------------------------------------
@@ -182,15 +175,15 @@ class SequenceBuilder:
         return self._backend.encode(text, add_special_tokens=False).ids
 
     def _batch(self, texts: list[str]) -> list[list[int]]:
-        # encode_batch_fast (tokenizers >= 0.20) skips character offsets, which nothing here reads: the same ids
-        # in less time (about a quarter to a third less in an ad-hoc timing on the CPU machine)
+        # encode_batch_fast (tokenizers >= 0.20) skips character offsets, which nothing here reads: the same ids,
+        # faster
         fast = getattr(self._backend, "encode_batch_fast", None) or self._backend.encode_batch
         return [e.ids for e in fast(texts, add_special_tokens=False)]
 
     def _piece_chars(self) -> int:
-        """PIECE_CHARS when long states may be tokenized in pieces here, else 0 (off, one core, or a tokenizer
-        whose ids could change at a cut: checked from its spec, then on a sample text)."""
-        if os.environ.get("LAYA_FLEET_TOKENIZE_PIECES", "1") == "0" or self.cores < 2:
+        """PIECE_CHARS when long states may be tokenized in pieces here, else 0 (one core, or a tokenizer whose
+        ids could change at a cut: checked from its spec, then on a sample text)."""
+        if self.cores < 2:
             return 0
         ok, why = piece_safe(self._backend.to_str())
         if ok:
@@ -271,31 +264,46 @@ class SequenceBuilder:
         return [self.head(q, head_max_len) for q in questions]
 
     # -- rows ---------------------------------------------------------------------------------
+    def check_fits(self, questions: Sequence[Question], heads: Sequence[Head], max_len: int | None = None,
+                   head_max_len: int | None = None) -> None:
+        """None when every question's option markers fit in `max_len` (with any state); else ValueError naming
+        the first question whose options do not."""
+        ml = self.max_len if max_len is None else int(max_len)
+        for q, h in zip(questions, heads):
+            fit = sum(1 for m in h.markers if m < ml)
+            if fit != h.n_options:
+                raise ValueError(
+                    "question %r: only %d of its %d option markers fit in max_len=%d with "
+                    "head_max_len=%d spent on the question; lower head_max_len, raise max_len, or use "
+                    "fewer options" % (q.qid, fit, h.n_options, ml,
+                                       self.head_max_len if head_max_len is None else head_max_len))
+
     def encode(self, state: Any, questions: Sequence[Question], heads: Sequence[Head],
                state_ids: list[int] | None = None, max_len: int | None = None,
                head_max_len: int | None = None) -> EncodedState:
         """Rows for one state against every question; ValueError if a question's options do not fit."""
-        ml = self.max_len if max_len is None else int(max_len)
         if state_ids is None:
             state_ids = self.state_ids(state)
-        left = isinstance(state, list)  # a conversation keeps its newest turns
+        # a conversation keeps its newest turns
+        return self.encode_ids(state_ids, questions, heads, isinstance(state, list), max_len, head_max_len)
+
+    def encode_ids(self, state_ids: list[int], questions: Sequence[Question], heads: Sequence[Head],
+                   keep_newest: bool = False, max_len: int | None = None,
+                   head_max_len: int | None = None) -> EncodedState:
+        """Rows for a state given as token ids (`keep_newest`: truncate from the front); ValueError if a
+        question's options do not fit."""
+        ml = self.max_len if max_len is None else int(max_len)
+        self.check_fits(questions, heads, ml, head_max_len)
         rows, dropped = [], []
         n = len(state_ids)
         sa = np.asarray(state_ids, dtype=np.int32) if self.row_arrays else None
         sep = np.array([self.sep_id], dtype=np.int32)
         for q, h in zip(questions, heads):
             room = max(0, ml - len(h.ids) - 1)
-            lo, hi = (max(0, n - room), n) if left else (0, min(room, n))
+            lo, hi = (max(0, n - room), n) if keep_newest else (0, min(room, n))
             st = state_ids[lo:hi]
             ids = (list(h.ids) + st + [self.sep_id])[:ml]
             arr = None if sa is None else np.concatenate((np.asarray(h.ids, dtype=np.int32), sa[lo:hi], sep))[:ml]
-            markers = [m for m in h.markers if m < ml]
-            if len(markers) != h.n_options:
-                raise ValueError(
-                    "question %r: only %d of its %d option markers fit in max_len=%d with "
-                    "head_max_len=%d spent on the question; lower head_max_len, raise max_len, or use "
-                    "fewer options" % (q.qid, len(markers), h.n_options, ml,
-                                       self.head_max_len if head_max_len is None else head_max_len))
-            rows.append(Row(ids, markers, q.type_id, arr))
-            dropped.append(len(state_ids) - len(st))
-        return EncodedState(rows, len(state_ids), dropped)
+            rows.append(Row(ids, [m for m in h.markers if m < ml], q.type_id, arr))
+            dropped.append(n - len(st))
+        return EncodedState(rows, n, dropped)

@@ -82,7 +82,7 @@ _ALL = (
             "`aot` backend: load a package in a child process once before loading it in the replica, so a "
             "package torch cannot load fails the check, not the replica."),
     Setting("LAYA_FLEET_TL_ARCH", "str", None,
-            "TileLang target (`sm_90a`) for `python -m kernels.precompile` on a machine without the GPU, "
+            "TileLang target (`sm_90a`) for `laya-fleet precompile` on a machine without the GPU, "
             "such as an image build. Unset: the visible GPU's, else sm_90a."),
     Setting("LAYA_FLEET_API_KEY", "str", None,
             "Bearer key of the HTTP API, read from the variable the app's `api_key_env` names (this one in "

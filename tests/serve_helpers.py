@@ -181,7 +181,7 @@ class FaultInjector:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    def forward(self, rows):
+    def forward(self, rows, max_tokens=None):
         """The real forward, unless a fault is triggered (see the class docstring)."""
         import torch
 
@@ -191,7 +191,7 @@ class FaultInjector:
         if cost > self.oom_limit and any(_contains(r.ids, self.trigger) for r in rows):
             self.oom_calls += 1
             raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (%s)" % SECRET_PATH)
-        return self.inner.forward(rows)
+        return self.inner.forward(rows) if max_tokens is None else self.inner.forward(rows, max_tokens)
 
 
 def percentile(xs: list[float], q: float) -> float:

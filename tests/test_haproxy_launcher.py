@@ -1,4 +1,4 @@
-"""serve_app/haproxy.py: the launcher Ray's HAProxy ingress runs (RAY_SERVE_HAPROXY_BINARY_PATH).
+"""serve_app/online/haproxy_launcher.py: the launcher Ray's HAProxy ingress runs (RAY_SERVE_HAPROXY_BINARY_PATH).
 
 The config below is the shape Ray 2.60's template writes (global, defaults, the Prometheus frontend, the HTTP
 frontend, a backend, the stats listener); the rewritten text is checked by the real HAProxy binary (`-c`).
@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from serve_app import haproxy
+from serve_app.online import haproxy_launcher as haproxy
 
 RAY_CONFIG = """global
     stats socket {sock} mode 666 level admin expose-fd listeners

@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 import yaml
 
-from serve_app import kuberay
+from serve_app.online import kuberay_manifests as kuberay
 
 DATA = Path(__file__).parent / "data" / "kuberay"
 MANIFESTS = {"rayservice": ("rayservice.yaml", "rayservices-v1.schema.yaml"),

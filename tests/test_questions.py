@@ -102,7 +102,7 @@ def test_normalisation():
 def test_prepared_question_sets_are_remembered_only_when_equal_text_means_equal_sets(engine):
     """Engine.prepare keeps the last question sets it prepared (clients repeat theirs), keyed by their JSON
     text: only where that text identifies the set (plain JSON data that round-trips unchanged)."""
-    import model.engine as me
+    import model.codec as me
 
     q = {"intent": {"type": "choice", "instructions": "What?", "criteria": {"a": "x", "b": "y"}}}
     p1 = engine.prepare(q)
@@ -126,7 +126,7 @@ def test_prepared_question_sets_are_remembered_only_when_equal_text_means_equal_
     # bounded
     for k in range(me.PREPARED_CACHE_SIZE + 10):
         engine.prepare({"q%d" % k: one})
-    assert len(engine._prepared) == me.PREPARED_CACHE_SIZE
+    assert len(engine.codec._prepared) == me.PREPARED_CACHE_SIZE
 
 
 def test_batched_state_tokenization_gives_the_ids_of_one_state_at_a_time(engine):

@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from serve_app.batcher import TokenBatcher
+from serve_app.online.batch_queue import TokenBatcher
 from serve_app.scorer import Scorer
 
 from .serve_helpers import POISON, FaultInjector

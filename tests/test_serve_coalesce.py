@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from serve_app.coalesce import CallCoalescer
+from serve_app.online.coalescer import CallCoalescer
 
 
 class Scorer:

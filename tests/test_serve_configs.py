@@ -9,7 +9,7 @@ from pydantic import ValidationError
 from ray.serve.schema import ServeDeploySchema
 
 from serve_app.app import AppArgs, build_app
-from serve_app.scorer_deployment import BatchingPolicy
+from serve_app.online.scorer_deployment import BatchingPolicy
 
 from .serve_helpers import REPO, deployment, load_config
 
@@ -81,13 +81,13 @@ def test_builder_warns_once_when_the_app_expects_haproxy_and_the_cluster_lacks_i
     import logging
 
     monkeypatch.delenv("RAY_SERVE_ENABLE_HA_PROXY", raising=False)
-    with caplog.at_level(logging.WARNING, logger="serve_app.app"):
+    with caplog.at_level(logging.WARNING, logger="serve_app.online.app"):
         build_app({"checkpoint": "/nonexistent/ckpt", "haproxy": True, "topology": "fused"})
     warned = [r for r in caplog.records if "HAProxy" in r.getMessage()]
     assert len(warned) == 1 and "RAY_SERVE_ENABLE_HA_PROXY=1" in warned[0].getMessage()
     caplog.clear()
     monkeypatch.setenv("RAY_SERVE_ENABLE_HA_PROXY", "1")
-    with caplog.at_level(logging.WARNING, logger="serve_app.app"):
+    with caplog.at_level(logging.WARNING, logger="serve_app.online.app"):
         build_app({"checkpoint": "/nonexistent/ckpt", "haproxy": True, "topology": "fused"})
         build_app({"checkpoint": "/nonexistent/ckpt"})
     assert not [r for r in caplog.records if "HAProxy" in r.getMessage()]
@@ -106,14 +106,36 @@ def test_builder_rejects_unknown_or_invalid_args():
             AppArgs.model_validate(dict(bad, checkpoint="x"))
     ok = AppArgs.model_validate({"checkpoint": "x", "scorer": {"gil_switch_interval_s": 0.0005}})
     assert ok.scorer.gil_switch_interval_s == 0.0005 and ok.ingress.max_inflight_calls == 4
+
+
+def test_builder_binds_the_ingress_to_a_scorer_or_fuses_them_with_the_args_resources():
     from ray.serve import Application
 
-    app = build_app({"checkpoint": "/nonexistent/ckpt", "scorer": {"num_gpus": 1}})
-    assert isinstance(app, Application)
-    assert app._bound_deployment.name == "Ingress"  # the split app: the ingress bound to a scorer handle
-    fused = build_app({"checkpoint": "/nonexistent/ckpt", "topology": "fused"})
-    assert fused._bound_deployment.name == "Ingress"
-    assert fused._bound_deployment.func_or_class.__name__ == "FusedIngress"
+    from serve_app.online.fused_ingress import FusedIngress
+    from serve_app.online.ingress import Ingress
+    from serve_app.online.scorer_deployment import ScorerDeployment
+
+    policy = {"max_batch_tokens": 4096, "max_batch_rows": None, "batch_wait_timeout_s": 0.0}
+    args = {"checkpoint": "/nonexistent/ckpt", "scorer": {"num_gpus": 1, "num_cpus": 2}, "batching": policy,
+            "ingress": {"num_cpus": 0.25, "max_call_tokens": 1000}, "api_key_env": "KEY"}
+    # split: the ingress (its own CPUs) gets a handle to the scorer (the GPU, the batching policy as user_config)
+    ingress = build_app(args)._bound_deployment
+    assert ingress.name == "Ingress" and ingress.func_or_class is Ingress.func_or_class
+    assert ingress.ray_actor_options == {"num_cpus": 0.25}
+    handle, checkpoint = ingress.init_args
+    assert checkpoint == "/nonexistent/ckpt" and isinstance(handle, Application)
+    assert ingress.init_kwargs["api_key_env"] == "KEY" and ingress.init_kwargs["max_call_tokens"] == 1000
+    scorer = handle._bound_deployment
+    assert scorer.name == "Scorer" and scorer.func_or_class is ScorerDeployment.func_or_class
+    assert scorer.ray_actor_options == {"num_cpus": 2, "num_gpus": 1} and scorer.user_config == policy
+    assert scorer.init_kwargs["checkpoint"] == "/nonexistent/ckpt" and scorer.init_kwargs["batching"] == policy
+    # fused: one deployment holding the scorer, with the scorer's GPU and both CPU shares
+    fused = build_app(dict(args, topology="fused"))._bound_deployment
+    assert fused.name == "Ingress" and fused.func_or_class is FusedIngress.func_or_class
+    assert fused.ray_actor_options == {"num_cpus": 2.25, "num_gpus": 1} and fused.user_config == policy
+    scorer_kwargs, checkpoint = fused.init_args
+    assert scorer_kwargs == scorer.init_kwargs and checkpoint == "/nonexistent/ckpt"
+    assert fused.init_kwargs == ingress.init_kwargs
 
 
 def _split_gpu_config() -> dict:

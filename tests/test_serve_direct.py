@@ -20,7 +20,7 @@ import yaml
 
 pytest.register_assert_rewrite("tests.serve_helpers")
 
-from serve_app.direct_ingress import ingress_ports  # noqa: E402
+from serve_app.online.direct_ingress import ingress_ports  # noqa: E402
 
 from .serve_helpers import (  # noqa: E402
     AUTH,

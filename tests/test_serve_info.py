@@ -45,7 +45,7 @@ def _local_policy() -> dict:
 def _assert_info(body: dict, checkpoint: str, topology: str) -> None:
     from model.bundle import checkpoint_hash, open_bundle
     from model.decode import empty_result
-    from serve_app.ingress import Limits
+    from serve_app.online.schemas import Limits
 
     bundle = open_bundle(checkpoint)
     assert body["topology"] == topology
@@ -88,7 +88,7 @@ def _types(prop: dict) -> dict[str, dict]:
 
 
 def test_openapi_has_typed_request_models_with_limits_and_examples(app):
-    from serve_app.schemas import _BATCH_EXAMPLE, _EXAMPLE, Limits
+    from serve_app.online.schemas import _BATCH_EXAMPLE, _EXAMPLE, Limits
 
     lim = Limits()
     spec = httpx.get(app.url + "/openapi.json", timeout=30).json()
@@ -184,8 +184,8 @@ def test_info_fused_without_or_with_a_wrong_bearer_is_401(fused):
 def test_ray_guard_passes_on_the_installed_ray():
     import ray.serve._private.constants as constants
 
-    from serve_app import ray_compat
-    from serve_app.ingress import serve_request_path
+    from serve_app.online import ray_compat
+    from serve_app.online.service_info import serve_request_path
 
     ray_compat.check()
     assert ray_compat.serve_constants() is constants
@@ -199,7 +199,7 @@ def test_ray_guard_passes_on_the_installed_ray():
 def _assert_names(exc: pytest.ExceptionInfo, what: str) -> None:
     import ray
 
-    from serve_app.ray_compat import TESTED_RAY
+    from serve_app.online.ray_compat import TESTED_RAY
 
     msg = str(exc.value)
     assert what in msg and ("Ray %s " % ray.__version__) in msg and ("ray==%s" % TESTED_RAY) in msg, msg
@@ -208,8 +208,8 @@ def _assert_names(exc: pytest.ExceptionInfo, what: str) -> None:
 def test_ray_guard_raises_naming_a_missing_private_constant(monkeypatch):
     import ray.serve._private.constants as constants
 
-    from serve_app import ray_compat
-    from serve_app.ingress import serve_request_path
+    from serve_app.online import ray_compat
+    from serve_app.online.service_info import serve_request_path
 
     monkeypatch.delattr(constants, "RAY_SERVE_ENABLE_DIRECT_INGRESS")
     for call in (ray_compat.check, serve_request_path):
@@ -223,7 +223,7 @@ def test_ray_guard_raises_naming_a_missing_private_constant(monkeypatch):
 def test_ray_guard_raises_naming_a_missing_autoscaling_policy_attribute(monkeypatch, cls, attr):
     import ray.serve.config as config
 
-    from serve_app import ray_compat
+    from serve_app.online import ray_compat
 
     monkeypatch.delattr(getattr(config, cls), attr)
     with pytest.raises(RuntimeError) as e:
@@ -234,7 +234,7 @@ def test_ray_guard_raises_naming_a_missing_autoscaling_policy_attribute(monkeypa
 def test_ray_guard_raises_when_the_autoscaling_context_no_longer_takes_a_field(monkeypatch):
     import ray.serve.config as config
 
-    from serve_app import ray_compat
+    from serve_app.online import ray_compat
 
     def init(self, deployment_id, target_num_replicas, config):  # no current_num_replicas
         pass
@@ -248,7 +248,7 @@ def test_ray_guard_raises_when_the_autoscaling_context_no_longer_takes_a_field(m
 def test_ray_guard_raises_naming_a_missing_module_and_a_missing_alpha_error(monkeypatch):
     import ray.serve.exceptions as exceptions
 
-    from serve_app import ray_compat
+    from serve_app.online import ray_compat
 
     with monkeypatch.context() as m:
         m.setitem(sys.modules, "ray.serve._private.constants", None)  # the import fails
@@ -265,7 +265,8 @@ def test_app_build_and_ingress_construction_fail_at_start_when_ray_lacks_an_attr
     import ray.serve._private.constants as constants
 
     from serve_app.app import build_app
-    from serve_app.ingress import FusedIngress, Ingress
+    from serve_app.online.fused_ingress import FusedIngress
+    from serve_app.online.ingress import Ingress
 
     monkeypatch.delattr(constants, "RAY_SERVE_USE_GRPC_BY_DEFAULT")
     what = "ray.serve._private.constants.RAY_SERVE_USE_GRPC_BY_DEFAULT"
@@ -286,7 +287,7 @@ def test_app_build_and_ingress_construction_fail_at_start_when_ray_lacks_an_attr
 
 
 def test_tested_ray_version_equals_the_pyproject_pin_and_the_installed_requirement():
-    from serve_app.ray_compat import TESTED_RAY
+    from serve_app.online.ray_compat import TESTED_RAY
 
     with open(os.path.join(REPO, "pyproject.toml"), "rb") as fh:
         deps = tomllib.load(fh)["project"]["dependencies"]

@@ -81,7 +81,7 @@ def test_pieces_give_the_whole_texts_ids(bundle, kind):
     assert b.state_ids(state) == ref
 
 
-def test_when_pieces_are_cut(bundle, monkeypatch):
+def test_when_pieces_are_cut(bundle):
     b = SequenceBuilder(bundle.tokenizer, bundle.max_len, bundle.head_max_len)
     b.piece_chars, b.cores = PIECE_CHARS, 8
     long, short = "word " * 2000, "word " * 50
@@ -90,8 +90,6 @@ def test_when_pieces_are_cut(bundle, monkeypatch):
     assert b.piece_length([long * 5]) == 50000 // 32        # about 4 pieces a core
     assert b.piece_length([long] * 16) == 0                # 2 texts a core: the batch is parallel already
     assert b.piece_length([long] * 30 + [short]) == 0
-    monkeypatch.setenv("LAYA_FLEET_TOKENIZE_PIECES", "0")
-    assert SequenceBuilder(bundle.tokenizer, bundle.max_len, bundle.head_max_len).piece_chars == 0
 
 
 def test_tokenizers_that_could_change_at_a_cut_are_never_cut(bundle):

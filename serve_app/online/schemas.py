@@ -1,6 +1,6 @@
 """The HTTP API's request limits and its typed OpenAPI: pydantic models of every route's body and answer.
 
-The handlers (serve_app/ingress.py) read the raw request and keep their own checks, statuses and error texts;
+The handlers (ingress.py) read the raw request and keep their own checks, statuses and error texts;
 these models only describe them in `/openapi.json` and `/docs` (attached through `openapi_extra` and
 `responses=`, so FastAPI validates nothing itself).
 """

@@ -21,9 +21,9 @@ from ray import serve
 
 from model.sequence import Row
 
+from ..scorer import MIN_BUDGET, Scorer, is_oom, select_device
 from . import metrics
-from .batcher import BatchRecord, TokenBatcher
-from .scorer import MIN_BUDGET, Scorer, is_oom, select_device
+from .batch_queue import BatchRecord, TokenBatcher
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +139,7 @@ class ScorerDeployment:
         log.info("reconfigured: %s (budget now %d)", policy.model_dump(), self.scorer.budget)
 
     def record_autoscaling_stats(self) -> dict[str, float]:
-        """Serve's custom autoscaling metric (serve_app/autoscale.py): requests queued here plus those running."""
+        """Serve's custom autoscaling metric (autoscale.py): requests queued here plus those running."""
         return {"pending_requests": float(self.batcher.queued + self.batcher.in_flight)}
 
     def check_health(self) -> None:

@@ -7,11 +7,10 @@ alone still runs (the Scorer splits it into micro-batches). One batch is in flig
 the replica has one forward thread: while it runs, the next batch accumulates, so under load batches
 fill without any added wait.
 
-Why not `@serve.batch(batch_size_fn=...)`: it fails a request whose own size exceeds the budget
-("Size of item is greater than max_batch_size"), defers a request that does not fit to the *back*
-of the queue, restarts its wait timer for every batch even when requests have already waited through
-a forward, and cannot retry a failed batch's requests one by one. Here the budget is read live from
-the Scorer, so an out-of-memory halving also shrinks the batches collected next.
+Not `@serve.batch(batch_size_fn=...)`: that fails a request larger than the budget, sends a request
+that does not fit to the back of the queue, restarts its wait timer for every batch, and cannot retry a
+failed batch's requests one by one. The budget is read live from the Scorer, so an out-of-memory
+halving also shrinks the batches collected next.
 
 If a batch raises, each of its requests is retried alone: a poison request fails by itself and the
 rest of its batch is answered.

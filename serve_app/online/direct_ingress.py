@@ -5,8 +5,8 @@ With `RAY_SERVE_ENABLE_DIRECT_INGRESS=1` in the Ingress replicas' environment (t
 replica, once constructed, listens on a port of its own taken from `RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT`..
 `MAX` (30000..31000 by default; the controller's environment decides) and runs this app's FastAPI
 routes in its own process: a request skips the proxy actor and the proxy -> replica call (with its second
-call back for the body): the no-work floor went from 12.7 to 4.7 ms on the H200 host (BENCHMARKS.md). The proxy on
-`http_options.port` keeps working beside them. Backpressure (`max_queued_requests` -> 503 + Retry-After),
+call back for the body; see BENCHMARKS.md, "HTTP with direct ingress"). The proxy on `http_options.port`
+keeps working beside them. Backpressure (`max_queued_requests` -> 503 + Retry-After),
 auth, limits and errors are the app's own and behave the same on either path.
 
 A load balancer in front (Ray's HAProxy mode, `RAY_SERVE_ENABLE_HA_PROXY=1`, or any L4/L7 balancer)

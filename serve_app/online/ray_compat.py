@@ -2,7 +2,7 @@
 
 Private modules (`ray.serve._private.constants`: how Serve runs the request path), alpha and developer APIs
 (the Serve and actor errors the ingress maps to statuses) and the custom autoscaling policy's context
-(serve_app/autoscale.py: pickled by value into the controller, so it imports nothing and is checked here) can
+(autoscale.py: pickled by value into the controller, so it imports nothing and is checked here) can
 move in any Ray release. `check()` runs in the app builder and in each ingress replica's constructor: a Ray
 without one of them fails there with a `RuntimeError` naming what is missing, the Ray found and the Ray
 laya-fleet is tested with, instead of on the first request or the first autoscaling decision.
@@ -44,7 +44,7 @@ def ray_version() -> str:
 def _missing(what: str) -> RuntimeError:
     return RuntimeError(
         "laya-fleet needs %s, which the installed Ray %s does not have; laya-fleet is tested with ray==%s "
-        "(pyproject.toml): install that version, or adapt serve_app/ray_compat.py to this one"
+        "(pyproject.toml): install that version, or adapt serve_app/online/ray_compat.py to this one"
         % (what, ray_version(), TESTED_RAY))
 
 

