@@ -100,9 +100,9 @@ def inprocess(args) -> dict:
                     max_batch_tokens=args.max_batch_tokens)
     engine = scorer.engine
     prepared = engine.prepare(questions)
-    from serve_app.offline_stages import QuestionSet
+    from serve_app.offline.schema import output_fields
 
-    schema = pa.schema([pa.field("id", pa.int64())] + QuestionSet(args.checkpoint, questions).output_fields())
+    schema = pa.schema([pa.field("id", pa.int64())] + output_fields(prepared))
     t_ready = time.perf_counter()
     tokens = rows = 0
     os.makedirs(args.inprocess_out, exist_ok=True)

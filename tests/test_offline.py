@@ -17,15 +17,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from serve_app import offline
-from serve_app.offline_io import ConfigError, OutputDir, discover
-from serve_app.offline_stages import (
-    JobSpec,
-    ScoreStage,
-    decode_batch,
-    extract_state,
-    row_index,
-    tokenize_batch,
-)
+from serve_app.offline.config import JobSpec
+from serve_app.offline.decode import DecodeStage
+from serve_app.offline.io import ConfigError, OutputDir, discover
+from serve_app.offline.score import ScorerReports, ScoreStage
+from serve_app.offline.tokenize import TokenizeStage, extract_state, row_index
 from tests import cases
 
 EXAMPLE_QUESTIONS = os.path.join(os.path.dirname(__file__), "..", "configs", "example_questions.json")
@@ -244,11 +240,11 @@ def test_stages_in_process_equal_predict_batch(tiny_checkpoint, engine, one_thre
     cells = [json.dumps(s) for s in states] + [None, "{oops"]
     spec = JobSpec(checkpoint=tiny_checkpoint, questions_json=json.dumps(QUESTIONS), state_column="state",
                    carry_columns=("id",), json_state=True, max_len=160)
-    tok = tokenize_batch(_batch("/x/in.parquet", cells), spec)
+    tok = TokenizeStage(spec)(_batch("/x/in.parquet", cells))
     assert tok.column("__row").to_pylist() == list(range(len(cells)))
     stage = ScoreStage(spec, {"backend": "eager", "device": "cpu", "max_batch_rows": 1}, cpus=1)
     scored = stage(tok)
-    out = decode_batch(scored, spec).to_pylist()
+    out = DecodeStage(spec)(scored).to_pylist()
     assert [r["error"] for r in out[-2:]] == ["state is null", out[-1]["error"]]
     assert out[-1]["error"].startswith("state is not valid JSON")
     assert all(r["stars"] is None and r["input_tokens"] is None for r in out[-2:])
@@ -272,12 +268,21 @@ def test_stages_in_process_equal_predict_batch(tiny_checkpoint, engine, one_thre
     batch_refs = engine.predict_batch(states, QUESTIONS, max_len=160)
     compare_to_reference(out[:15], batch_refs, QUESTIONS, tol=1e-4)
     # value column types follow the labels
-    t = decode_batch(scored, spec)
+    t = DecodeStage(spec)(scored)
     assert (t.schema.field("stars").type, t.schema.field("flag").type, t.schema.field("intent").type) == (
         pa.int64(), pa.string(), pa.string())
     assert {r["flag"] for r in out[:15]} <= {"true", "maybe", "2.5"}
-    info = json.loads(scored.column("__stats")[0].as_py())
+    info = stage.stats()
     assert info["stats"]["batches"] == info["stats"]["rows"] == 15 * len(QUESTIONS)
+    # statistics travel through stage.stats(), not the data: the only internal columns left route rows to files
+    assert [c for c in t.column_names if c.startswith("__")] == ["__path", "__row"]
+
+
+def test_scorer_reports_keep_the_latest_report_of_each_process():
+    reports = ScorerReports()
+    for pid, rows in ((1, 5), (1, 3), (2, 1)):  # a late, smaller report of pid 1; pid 2 is a restart
+        reports.report({"actor": "a", "pid": pid, "stats": {"rows": rows}})
+    assert {k: v["stats"]["rows"] for k, v in reports.all().items()} == {"a/1": 5, "a/2": 1}
 
 
 def test_struct_and_conversation_columns(tiny_checkpoint, engine, one_thread):
@@ -291,7 +296,7 @@ def test_struct_and_conversation_columns(tiny_checkpoint, engine, one_thread):
         batch = _batch("/x/%s.parquet" % col, cells, column=col)
         assert not pa.types.is_string(batch.schema.field(col).type)
         stage = ScoreStage(spec, {"backend": "eager", "device": "cpu"}, cpus=1)
-        out = decode_batch(stage(tokenize_batch(batch, spec)), spec).to_pylist()
+        out = DecodeStage(spec)(stage(TokenizeStage(spec)(batch))).to_pylist()
         assert out[-1]["error"] == "state is null"
         refs = engine.predict_batch(cells[:-1], QUESTIONS, max_len=128)
         compare_to_reference(out[:-1], refs, QUESTIONS, tol=1e-4)
@@ -303,10 +308,10 @@ def test_score_stage_isolates_a_failing_state(tiny_checkpoint, one_thread):
     """A forward that fails for one state marks that state, not the batch; OOM is left to the scorer."""
     spec = JobSpec(checkpoint=tiny_checkpoint, questions_json=json.dumps(QUESTIONS), state_column="state",
                    carry_columns=("id",), max_len=96)
-    tok = tokenize_batch(_batch("/x/f.parquet", ["first", "poison", "third"]), spec)
+    tok = TokenizeStage(spec)(_batch("/x/f.parquet", ["first", "poison", "third"]))
     stage = ScoreStage(spec, {"backend": "eager", "device": "cpu"}, cpus=1)
     real = stage.scorer.score_rows
-    poison = stage.qs.encode("poison", stage.qs.builder.state_ids("poison")).rows[0].ids
+    poison = stage.codec.encode("poison", stage.prepared).rows[0].ids
 
     def flaky(rows):
         if any(r.ids == poison for r in rows):
@@ -314,7 +319,7 @@ def test_score_stage_isolates_a_failing_state(tiny_checkpoint, one_thread):
         return real(rows)
 
     stage.scorer.score_rows = flaky
-    out = decode_batch(stage(tok), spec).to_pylist()
+    out = DecodeStage(spec)(stage(tok)).to_pylist()
     assert [r["error"] for r in out] == [None, "scoring failed: device assert", None]
     assert out[0]["intent"] is not None and out[2]["intent"] is not None
 
