@@ -14,5 +14,6 @@ _P=$(python3 -c "import sys; print(sys.executable)")
 _shim() { printf '#!%s\nimport sys\nfrom %s import %s\nsys.exit(%s())\n' "$_P" "$2" "$3" "$3" > "$(dirname "$_P")/$1" \
   && chmod +x "$(dirname "$_P")/$1"; }
 _shim serve ray.serve.scripts cli; _shim ray ray.scripts.scripts main; _shim laya-serve laya.serve main
-_shim laya-fleet-haproxy serve_app.haproxy main
+# the launcher's module as pyproject.toml's entry point names it
+_shim laya-fleet-haproxy $(python3 -c 'import tomllib; print(tomllib.load(open("pyproject.toml", "rb"))["project"]["scripts"]["laya-fleet-haproxy"].replace(":", " "))')
 echo "site: $(ls /tmp/site | tr '\n' ' ' | head -c 300)"

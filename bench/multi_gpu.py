@@ -1,4 +1,4 @@
-"""The fleet on N GPUs of one host (issue #7): Serve replicas, autoscaling and the offline job.
+"""The fleet on N GPUs of one host: Serve replicas, autoscaling and the offline job.
 
 One script, three parts, one Ray cluster started here (`ray start --head`, all GPUs, or `--logical-gpus N`
 on a CPU machine to rehearse the orchestration):
@@ -157,8 +157,8 @@ def nvidia_smi() -> str:
 def heavy_payloads(states: int, n: int = 128, seed: int = 0) -> list[dict]:
     """`n` bodies for /v1/systemone/batch: `states` long customer messages (150..400 words) x 3 questions.
 
-    One request is ~`states` x 3 rows of ~250-600 tokens, so a replica's GPU, not the single HTTP proxy
-    (~225 small requests/s on the H200 host, BENCHMARKS.md), bounds the throughput being scaled."""
+    One request is ~`states` x 3 rows of ~250-600 tokens, so a replica's GPU, not the single HTTP proxy, bounds
+    the throughput being scaled."""
     rng = random.Random(seed)
     small = make_payloads(n * states, seed)
     out = []

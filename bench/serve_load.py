@@ -1,18 +1,14 @@
-"""Closed-loop HTTP load against the online service: p50/p99 latency and requests/s at 1..256 clients.
+"""Closed-loop HTTP load against the online service: requests/s and p50/p99 latency per client count.
 
-Each client sends a request (1 state x 3 questions, configs/example_questions.json), waits for the answer,
-and sends the next; a level runs for `--duration` seconds after `--warmup`. Against an already running
-server (`--url`), or it starts one itself with `serve run` of a config derived from configs/local.yaml
-pointed at `--checkpoint` (one scorer replica per GPU when CUDA is visible, else CPU). With
-`--compare-upstream` it then starts upstream's own server (`laya-serve` from laya 0.4.15, given the same
-checkpoint through LAYA_EXTRA_MODELS) and runs the same requests at the same levels; the servers run one
-after the other, never at once. With `--floor` it first runs the same topology doing no work
-(bench/serve_floor_app.py), which shows what Ray Serve itself costs per request on that machine. Levels of
-32+ clients spread the clients over `--client-procs` processes; each row also reports how many cores the
-Serve proxy, the busiest ingress replica (and all of them) and the scorer kept busy. Prints a table,
+Each client sends one state x the 3 questions of configs/example_questions.json, waits for the answer and sends
+the next; a level is `--duration` seconds measured after `--warmup`. The server is `--url`, a config file run as
+shipped (`--config`, through Ray's HAProxy ingress when its args say `haproxy: true`), or configs/local.yaml
+pointed at `--checkpoint`; `--floor` first runs that topology doing no work (bench/serve_floor_app.py) and
+`--compare-upstream` then runs upstream's `laya-serve` on the same checkpoint, one server at a time. Each row also
+reports the cores Serve's processes used, GPU busy time and the scorer's batching counters. Prints a table,
 writes JSON, draws a PNG next to it.
 
-    python bench/serve_load.py --checkpoint DIR --backend auto --compare-upstream --out bench/results/serve_gpu.json
+    python bench/serve_load.py --checkpoint DIR --backend auto --config configs/prod.yaml --levels 1,16,64,512
     python bench/serve_load.py --url http://127.0.0.1:8000 --levels 1,8,64 --duration 10
 """
 
@@ -38,14 +34,16 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.dirname(sys.executable)
 QUESTIONS = json.load(open(os.path.join(REPO, "configs", "example_questions.json"), encoding="utf-8"))
 UPSTREAM_MODEL = "bench"
-# a client that gets 503 / 429 waits Retry-After seconds (capped here) before its next request, as HTTP clients
-# with backoff do; 0 = retry at once (--no-retry-after)
+# a client that gets 503 / 429 waits Retry-After seconds (capped here) before its next request, as clients with
+# backoff do
 RETRY_AFTER_CAP_S = 2.0
 
 
 def retry_after_cap() -> float:
     """RETRY_AFTER_CAP_S, or 0 under --no-retry-after (which the spawned client processes see in their env)."""
     return float(os.environ.get("LAYA_FLEET_BENCH_RETRY_AFTER_CAP_S", RETRY_AFTER_CAP_S))
+
+
 _OPENERS = ["Hi,", "Hello team,", "Dear support,", "URGENT:", "Quick question:", "Thanks for the help.", "Ugh."]
 _TOPICS = ["my order #%d arrived broken", "the invoice for order #%d is wrong", "I was charged twice for #%d",
            "my password reset link for account %d does not work", "the delivery of #%d is three weeks late",
@@ -70,6 +68,29 @@ def make_payloads(n: int = 512, seed: int = 0) -> list[dict]:
                          rng.choice(_ASKS)] + [rng.choice(_ASKS) for _ in range(rng.randint(0, 3))])
         out.append({"state": text, "questions": QUESTIONS, "model": UPSTREAM_MODEL})
     return out
+
+
+def replica_ports(expect: int, lo: int, hi: int, timeout: float = 120.0) -> list[int]:
+    """Ports in lo..hi whose replica answers GET /ready with 200, once `expect` do (Serve hands out direct-ingress
+    ports from the bottom of its range); RuntimeError naming what answered if that is not exactly `expect`."""
+    import http.client
+    import urllib.request
+
+    def ready(port: int) -> bool:
+        try:
+            with urllib.request.urlopen("http://127.0.0.1:%d/ready" % port, timeout=2) as r:
+                return r.status == 200
+        except (OSError, http.client.HTTPException):  # nothing listening, or a gRPC port
+            return False
+
+    deadline = time.monotonic() + timeout
+    found = [p for p in range(lo, hi + 1) if ready(p)]
+    while len(found) < expect and time.monotonic() < deadline:
+        time.sleep(1.0)
+        found = [p for p in range(lo, hi + 1) if ready(p)]
+    if len(found) != expect:
+        raise RuntimeError("expected %d replica ports in %d..%d, found %s" % (expect, lo, hi, found))
+    return found
 
 
 # -- servers ----------------------------------------------------------------------------------------
@@ -158,7 +179,7 @@ class FleetServer(Server):
         env = None
         self.balanced = haproxy  # clients go to the HTTP port (HAProxy); replicas' own ports only for /stats
         direct = direct or haproxy
-        if direct:  # every Ingress replica also serves HTTP on its own port (serve_app/direct_ingress.py)
+        if direct:  # every Ingress replica also serves HTTP on its own port (Serve's direct ingress)
             if address != "local":
                 raise ValueError("direct ingress is set when Ray starts: only with serve run's own local Ray")
             # a port range of this instance's own: a leftover Serve on the host must not take the load
@@ -179,17 +200,12 @@ class FleetServer(Server):
         try:
             self.ready_s = self.wait_ready("/ready", ready_timeout)
             if direct:
-                from serve_app.direct_ingress import ingress_ports
-
                 ing = next(d for d in config["applications"][0]["deployments"] if d["name"] == "Ingress")
                 # an autoscaled ingress starts at its initial (else minimum) replica count
                 auto = ing.get("autoscaling_config") or {}
                 n = ing.get("num_replicas") if isinstance(ing.get("num_replicas"), int) else \
                     auto.get("initial_replicas") or auto.get("min_replicas") or 1
-                found = ingress_ports(n, timeout=120, scan=50, ports=self._direct_range)
-                if len(found) != n:
-                    raise RuntimeError("expected %d direct-ingress ports in %s, found %s" % (n, self._direct_range,
-                                                                                           found))
+                found = replica_ports(n, *self._direct_range)
                 self.urls = ["http://127.0.0.1:%d" % p for p in found]
         except BaseException:
             self.stop()
@@ -199,60 +215,6 @@ class FleetServer(Server):
         super().stop()
         if self._tmp and os.path.exists(self._tmp[1]):
             os.unlink(self._tmp[1])
-
-
-class LocalCluster:
-    """A Ray head plus `nodes - 1` CPU-only nodes on this host, so Serve runs `nodes` HTTP proxies.
-
-    Serve binds every proxy's port with SO_REUSEPORT, so proxies of several nodes on one machine share the
-    HTTP port and the kernel spreads connections over them: the way to get more than one proxy process's
-    worth of HTTP handling out of one big host (one proxy is one Python process).
-    """
-
-    def __init__(self, nodes: int, log_dir: str, cpus_per_node: int = 4):
-        env = dict(os.environ)
-        env.setdefault("RAY_AUTH_MODE", "disabled")  # a private single-host cluster
-        self.port = free_port()
-        self.address = "127.0.0.1:%d" % self.port
-        ray_bin = os.path.join(BIN, "ray")
-        self.procs: list[subprocess.Popen] = []
-        self._logs = []
-        head = [ray_bin, "start", "--head", "--block", "--port", str(self.port), "--include-dashboard", "false",
-                "--disable-usage-stats"]
-        for i in range(nodes):
-            cmd = head if i == 0 else [ray_bin, "start", "--block", "--address", self.address, "--num-gpus", "0",
-                                       "--num-cpus", str(cpus_per_node), "--disable-usage-stats"]
-            log = open(os.path.join(log_dir, "ray-node%d.log" % i), "w")
-            self._logs.append(log)
-            self.procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                               start_new_session=True))
-            if i == 0:
-                time.sleep(8.0)  # the head's GCS must be up before nodes join
-        time.sleep(5.0)
-        os.environ["RAY_AUTH_MODE"] = env["RAY_AUTH_MODE"]  # for `serve run` started after this
-
-    def stop(self) -> None:
-        """Stop the nodes (workers first), each with its process group."""
-        for proc in reversed(self.procs):
-            stop_group(proc, ((signal.SIGTERM, 30), (signal.SIGKILL, 10)))
-        for log in self._logs:
-            log.close()
-        # `ray start` records the head's address for later ray.init() calls without one: a stopped cluster
-        # must not be found there (a plain `serve run` would wait for it forever)
-        recorded = "/tmp/ray/ray_current_cluster"
-        try:
-            with open(recorded) as fh:
-                stale = fh.read().strip().endswith(":%d" % self.port)
-            if stale:
-                os.unlink(recorded)
-        except OSError:
-            pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.stop()
 
 
 class UpstreamServer(Server):
@@ -280,10 +242,8 @@ class UpstreamServer(Server):
 
 
 def fleet_config(checkpoint: str, backend: str, device: str, port: int, replicas: int, ingress_replicas: int,
-                 max_batch_tokens: int | None, gpus: int, inflight: int | None = None,
-                 gil_switch_interval_s: float | None = None, gpus_per_replica: float = 1.0) -> dict:
-    """configs/local.yaml pointed at `checkpoint`, with `gpus_per_replica` GPUs per scorer replica (one by default)
-    when `gpus` > 0."""
+                 max_batch_tokens: int | None, gpus: int) -> dict:
+    """configs/local.yaml pointed at `checkpoint`, with one GPU per scorer replica when `gpus` > 0."""
     with open(os.path.join(REPO, "configs", "local.yaml"), encoding="utf-8") as fh:
         cfg = yaml.safe_load(fh)
     cfg["http_options"]["port"] = port
@@ -291,12 +251,8 @@ def fleet_config(checkpoint: str, backend: str, device: str, port: int, replicas
     args = app["args"]
     args.update(checkpoint=os.path.abspath(checkpoint), backend=backend, device=device)
     if gpus:
-        args["scorer"] = {"num_gpus": gpus_per_replica, "num_cpus": 2}
+        args["scorer"] = {"num_gpus": 1, "num_cpus": 2}
         args["ingress"] = {"num_cpus": 1, "cpu_threads": 2}
-    if inflight:
-        args.setdefault("ingress", {})["max_inflight_calls"] = inflight
-    if gil_switch_interval_s:
-        args.setdefault("scorer", {})["gil_switch_interval_s"] = gil_switch_interval_s
     for d in app["deployments"]:
         if d["name"] == "Scorer":
             d["num_replicas"] = replicas
@@ -425,7 +381,7 @@ async def run_level(url: str | list[str], payloads: list[dict], clients: int, du
 
 def load_level(url: str | list[str], payloads: list[dict], clients: int, duration: float, warmup: float,
                headers: dict | None = None, procs: int = 1, timeout: float = 120.0) -> dict:
-    """One level, its clients spread over `procs` processes (one Python client tops out near 2k req/s)."""
+    """One level, its clients spread over `procs` processes (so the client side is not what limits a level)."""
     procs = max(1, min(procs, clients))
     if procs == 1:
         return asyncio.run(run_level(url, payloads, clients, duration, warmup, headers, timeout))
@@ -717,21 +673,65 @@ def environment(checkpoint: str | None, backend: str) -> dict:
                 ["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()}
 
 
-# --ingress-mode: the environment each mode adds to `serve run` (Ray hands it to every replica of a local Ray).
-# "direct-ray-defaults" also drops the RAY_SERVE_* settings configs/local.yaml gives its replicas (gRPC between
-# deployments, user code and router on the replica's loop): Ray's own request path, the baseline for them.
-MODES: dict[str, dict[str, str]] = {"proxy": {}, "direct": {}, "direct-ray-defaults": {},
-                                    "direct-tp": {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}}
+def built_runs(args, payloads: list[dict], levels: list[int], logs: str, ingress: int, procs: int, gpus: int,
+               results: dict, startup: dict, answers: dict) -> None:
+    """configs/local.yaml pointed at the checkpoint (Serve's proxy): the floor, the forward skipped, then the
+    service itself, as the flags ask; fills `results`, `startup` and `answers`."""
+    def fleet(port: int) -> dict:
+        cfg = fleet_config(args.checkpoint, args.backend, args.device, port, args.replicas, ingress,
+                           args.max_batch_tokens, gpus)
+        cfg["proxy_location"] = "EveryNode"
+        return cfg
+
+    runs = []
+    if args.floor:
+        cfg = floor_config(free_port(), ingress)
+        cfg["proxy_location"] = "EveryNode"
+        runs.append(("serve floor (no work)", "floor", cfg))
+    if args.skip_forward:
+        cfg = fleet(free_port())
+        cfg["applications"][0]["args"]["backend_wrapper"] = "bench.serve_floor_app:SkipForward"
+        runs.append(("laya-fleet, forward skipped", "skip", cfg))
+    if not args.upstream_only:
+        runs.append(("laya-fleet", "fleet", fleet(free_port())))
+    for name, tag, cfg in runs:
+        with FleetServer(cfg, logs + ".%s.log" % tag) as srv:
+            srv.name = name
+            if tag == "fleet":
+                startup[name] = round(srv.ready_s, 1)
+                answers[name] = sample_answers(srv.url + "/v1/systemone", payloads[:16])
+            results[name] = run_server(srv, payloads, levels, args.duration, args.warmup, None, procs, cpu=True)
 
 
-def apply_mode(cfg: dict, mode: str) -> dict:
-    """`cfg` as --ingress-mode `mode` runs it (see MODES)."""
-    if mode == "direct-ray-defaults":
-        for app in cfg["applications"]:
-            env = (app.get("runtime_env") or {}).get("env_vars") or {}
-            for k in [k for k in env if k.startswith("RAY_SERVE_")]:
-                del env[k]
-    return cfg
+def config_runs(args, payloads: list[dict], levels: list[int], logs: str, procs: int, cluster_env: dict,
+                results: dict, startup: dict, answers: dict) -> None:
+    """`--config` as shipped, then each `--config-replicas-per-gpu` variant; behind HAProxy, also one client on
+    one replica's own port (what the HAProxy hop costs); fills `results`, `startup` and `answers`."""
+    variants = [None] + [int(k) for k in (args.config_replicas_per_gpu or "").split(",") if k.strip()]
+    for rpg in variants:
+        cfg, key_env = shipped_config(args.config, args.checkpoint, args.backend, args.device, free_port(),
+                                      os.path.dirname(logs), rpg)
+        app_args = cfg["applications"][0].get("args", {})
+        haproxy = {"auto": bool(app_args.get("haproxy")), "on": True, "off": False}[args.haproxy]
+        direct = haproxy or any(
+            (a.get("runtime_env") or {}).get("env_vars", {}).get("RAY_SERVE_ENABLE_DIRECT_INGRESS") == "1"
+            for a in cfg["applications"])
+        fused = app_args.get("topology") == "fused"
+        hdr = {"Authorization": "Bearer " + next(iter(key_env.values()))} if key_env else None
+        with FleetServer(cfg, logs + ".config%s.log" % (rpg or ""), direct=direct, haproxy=haproxy,
+                         extra_env=dict(key_env, **cluster_env)) as srv:
+            srv.name = "laya-fleet (%s%s%s%s)" % (
+                os.path.basename(args.config), ", HAProxy" if haproxy else ", direct ingress" if direct else "",
+                ", %d per GPU (not as shipped)" % rpg if rpg else "",
+                "".join(", %s=%s" % kv for kv in cluster_env.items()))
+            startup[srv.name] = round(srv.ready_s, 1)
+            answers[srv.name] = sample_answers(srv.url + "/v1/systemone", payloads[:16], hdr)
+            results[srv.name] = run_server(srv, payloads, levels, args.duration, args.warmup, hdr, procs,
+                                           cpu=True, fused=fused)
+            if haproxy and srv.urls and 1 in levels:
+                own = Server("")
+                own.name, own.url = srv.name + " [one replica's own port]", srv.urls[0]
+                results[own.name] = run_server(own, payloads, [1], args.duration, args.warmup, hdr)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -741,26 +741,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--checkpoint", default=os.path.join(REPO, "checkpoints", "tiny"))
     p.add_argument("--backend", default="auto")
     p.add_argument("--device", default="auto")
-    p.add_argument("--replicas", type=int, default=1, help="scorer replicas (one GPU each when CUDA is visible)")
-    p.add_argument("--gpus-per-replica", type=float, default=1.0,
-                   help="scorer ray_actor_options.num_gpus (0.5: two scorer replicas share one GPU)")
-    p.add_argument("--ingress-replicas", type=int, default=None, help="default: 1 below 8 cores, else cores / 4")
-    p.add_argument("--ingress-inflight", type=int, default=None,
-                   help="scorer calls outstanding per ingress replica (default: the app's, 4)")
-    p.add_argument("--client-procs", type=int, default=None,
-                   help="client processes for levels of 32+ clients (default: 1 below 8 cores, else 4)")
-    p.add_argument("--proxies", default="1",
-                   help="HTTP proxies: > 1 starts a Ray cluster of that many nodes on this host (one proxy each, "
-                        "sharing the port); 1 = `serve run`'s own single-node Ray; a list (1,4) runs each")
-    p.add_argument("--ingress-mode", default="proxy",
-                   help="proxy (HTTP through Serve's proxy), direct (RAY_SERVE_ENABLE_DIRECT_INGRESS: each ingress "
-                        "replica serves HTTP on its own port, clients spread over them), direct-ray-defaults "
-                        "(direct without the RAY_SERVE_* request-path settings of configs/local.yaml), direct-tp "
-                        "(direct with RAY_SERVE_THROUGHPUT_OPTIMIZED=1, Ray's preset), or a list of them")
     p.add_argument("--config", default=None,
-                   help="run this Serve config file as shipped (e.g. configs/prod.yaml) instead of the topology "
-                        "built from configs/local.yaml: only checkpoint, backend, device, port, cache dirs and the "
-                        "bearer key are set for this machine; --topology, --replicas and the like are ignored")
+                   help="run this Serve config file as shipped (e.g. configs/prod.yaml): only checkpoint, backend, "
+                        "device, port, cache dirs and the bearer key are set for this machine")
     p.add_argument("--haproxy", default="auto", choices=("auto", "on", "off"),
                    help="with --config: start Ray with HAProxy ingress (RAY_SERVE_ENABLE_HA_PROXY=1 and the "
                         "laya-fleet-haproxy launcher) and send the load to its port; auto = when the config's args "
@@ -771,20 +754,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cluster-env", action="append", default=[], metavar="NAME=VALUE",
                    help="with --config: a variable for the cluster's environment (`serve run`'s, so Ray's processes "
                         "and HAProxy see it), e.g. RAY_SERVE_HAPROXY_NBTHREAD=1; repeatable; named in the row")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="without --config: scorer replicas (one GPU each when CUDA is visible)")
+    p.add_argument("--ingress-replicas", type=int, default=None,
+                   help="without --config: ingress replicas (default: 1 below 8 cores, else cores / 4)")
+    p.add_argument("--max-batch-tokens", type=int, default=None,
+                   help="without --config: the scorer's budget (default: 8192 on CPU, measured on GPU)")
+    p.add_argument("--floor", action="store_true",
+                   help="without --config: first run the same topology doing no work (bench/serve_floor_app.py)")
+    p.add_argument("--skip-forward", action="store_true",
+                   help="without --config: also run laya-fleet with the forward replaced by zeros "
+                        "(bench/serve_floor_app.SkipForward): the request path without the model")
+    p.add_argument("--client-procs", type=int, default=None,
+                   help="client processes for levels of 32+ clients (default: 1 below 8 cores, else 4)")
     p.add_argument("--no-retry-after", action="store_true",
                    help="clients retry a 503 at once instead of waiting its Retry-After (capped at %gs)"
                         % RETRY_AFTER_CAP_S)
-    p.add_argument("--topology", default="split",
-                   help="split (CPU ingress replicas -> GPU scorer replicas), fused (one deployment whose replicas "
-                        "hold the scorer: no process hop; serve_app.app.fused_config), or split,fused")
-    p.add_argument("--gil-switch-interval", type=float, default=None,
-                   help="scorer replicas' sys.setswitchinterval (default: Python's 0.005 s)")
-    p.add_argument("--skip-forward", action="store_true",
-                   help="also run laya-fleet with the forward replaced by zeros (bench/serve_floor_app.SkipForward): "
-                        "our request path without the model")
-    p.add_argument("--floor", action="store_true",
-                   help="first run the same topology doing no work (bench/serve_floor_app.py): Ray Serve's own cost")
-    p.add_argument("--max-batch-tokens", type=int, default=None, help="default: 8192 on CPU, measured on GPU")
     p.add_argument("--compare-upstream", action="store_true", help="also run upstream laya-serve (after ours)")
     p.add_argument("--upstream-levels", default=None,
                    help="upstream's levels (default: --levels; its one process answers ~25 req/s, so 512 clients "
@@ -796,8 +781,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--api-key-env", default=None, help="env var holding a bearer key for --url")
     p.add_argument("--out", default=os.path.join(REPO, "bench", "results", "serve_cpu.json"))
     args = p.parse_args(argv)
-    # `timeout` / a job runner sends SIGTERM: unwind so every server and cluster started here is stopped
-    # (their process groups outlive this one otherwise, holding the GPU and ports)
+    # `timeout` / a job runner sends SIGTERM: unwind so every server started here is stopped (their process
+    # groups outlive this one otherwise, holding the GPU and ports)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     levels = [int(x) for x in args.levels.split(",") if x.strip()]
@@ -822,103 +807,10 @@ def main(argv: list[str] | None = None) -> int:
     answers: dict[str, list[dict]] = {}
     print("%-20s %7s %8s %9s %9s %9s %9s  %s" % ("server", "clients", "requests", "req/s", "p50 ms", "p90 ms",
                                                    "p99 ms", "errors"))
-    proxy_counts = [int(x) for x in str(args.proxies).split(",") if x.strip()]
-    modes = [m.strip() for m in args.ingress_mode.split(",") if m.strip()]
-    if not modes or set(modes) - set(MODES):
-        p.error("--ingress-mode takes a list of %s (got %r)" % (", ".join(MODES), args.ingress_mode))
-    topologies = [t.strip() for t in args.topology.split(",") if t.strip()]
-    if not topologies or set(topologies) - {"split", "fused"}:
-        p.error("--topology takes split, fused or split,fused (got %r)" % args.topology)
-    if "fused" in topologies:
-        from serve_app.app import fused_config
-    for k in proxy_counts if not (args.url or args.config) else []:
-        cluster = LocalCluster(k, os.path.dirname(logs)) if k > 1 else None
-        address = cluster.address if cluster else None
-        try:
-            for topology, mode in [(t, m) for t in topologies for m in modes]:
-                direct = mode != "proxy"
-                xenv = MODES[mode]
-                if direct and k > 1:
-                    print("(direct ingress is run with 1 proxy only: its replicas serve HTTP themselves)")
-                    continue
-                names = [] if len(proxy_counts) == 1 else ["%d prox%s" % (k, "y" if k == 1 else "ies")]
-                names += ([] if len(modes) == 1 else ["via proxy"]) if not direct else \
-                    ["direct ingress" + {"direct": "", "direct-tp": ", throughput-optimized",
-                                         "direct-ray-defaults": ", Ray's default request path"}[mode]]
-                names += ["fused"] if topology == "fused" else ([] if len(topologies) == 1 else ["split"])
-                suffix = " (%s)" % ", ".join(names) if names else ""
-                tag = "%s%s%d" % ("f" if topology == "fused" else "",
-                                  {"proxy": "", "direct": "d", "direct-tp": "t"}.get(mode, "r"), k)
-                if args.floor:
-                    cfg = floor_config(free_port(), ingress)
-                    cfg["proxy_location"] = "EveryNode"
-                    apply_mode(cfg, mode)
-                    with FleetServer(cfg, logs + ".floor%s.log" % tag, address=address, direct=direct,
-                                     extra_env=xenv) as srv:
-                        srv.name = "serve floor (no work)" + suffix
-                        results[srv.name] = run_server(srv, payloads, levels, args.duration, args.warmup, None,
-                                                       procs, cpu=True, fused=topology == "fused")
-                if args.skip_forward:
-                    cfg = fleet_config(args.checkpoint, args.backend, args.device, free_port(), args.replicas,
-                                       ingress, args.max_batch_tokens, gpus, args.ingress_inflight,
-                                       args.gil_switch_interval, args.gpus_per_replica)
-                    cfg["proxy_location"] = "EveryNode"
-                    apply_mode(cfg, mode)
-                    if topology == "fused":
-                        fused_config(cfg)
-                    cfg["applications"][0]["args"]["backend_wrapper"] = "bench.serve_floor_app:SkipForward"
-                    with FleetServer(cfg, logs + ".skip%s.log" % tag, address=address, direct=direct,
-                                     extra_env=xenv) as srv:
-                        srv.name = "laya-fleet, forward skipped" + suffix
-                        results[srv.name] = run_server(srv, payloads, levels, args.duration, args.warmup, None,
-                                                       procs, cpu=True, fused=topology == "fused")
-                if not args.upstream_only:
-                    cfg = fleet_config(args.checkpoint, args.backend, args.device, free_port(), args.replicas,
-                                       ingress, args.max_batch_tokens, gpus, args.ingress_inflight,
-                                       args.gil_switch_interval, args.gpus_per_replica)
-                    cfg["proxy_location"] = "EveryNode"
-                    apply_mode(cfg, mode)
-                    if topology == "fused":
-                        fused_config(cfg)
-                    with FleetServer(cfg, logs + ".fleet%s.log" % tag, address=address, direct=direct,
-                                     extra_env=xenv) as srv:
-                        srv.name = "laya-fleet" + suffix
-                        startup[srv.name] = round(srv.ready_s, 1)
-                        answers[srv.name] = sample_answers((srv.urls or [srv.url])[0] + "/v1/systemone",
-                                                           payloads[:16])
-                        results[srv.name] = run_server(srv, payloads, levels, args.duration, args.warmup, None,
-                                                       procs, cpu=True, fused=topology == "fused")
-        finally:
-            if cluster:
-                cluster.stop()
-    variants = [None] + [int(k) for k in (args.config_replicas_per_gpu or "").split(",") if k.strip()]
-    config_runs = [(m, v) for v in variants for m in modes] if args.config and not (args.url or args.upstream_only) \
-        else []
-    for mode, rpg in config_runs:
-        cfg, key_env = shipped_config(args.config, args.checkpoint, args.backend, args.device, free_port(),
-                                      os.path.dirname(logs), rpg)
-        apply_mode(cfg, mode)
-        app_args = cfg["applications"][0].get("args", {})
-        haproxy = {"auto": bool(app_args.get("haproxy")), "on": True, "off": False}[args.haproxy]
-        direct = mode != "proxy" or haproxy or any(
-            (a.get("runtime_env") or {}).get("env_vars", {}).get("RAY_SERVE_ENABLE_DIRECT_INGRESS") == "1"
-            for a in cfg["applications"])
-        fused = app_args.get("topology") == "fused"
-        hdr = {"Authorization": "Bearer " + next(iter(key_env.values()))} if key_env else None
-        with FleetServer(cfg, logs + ".config%s.log" % (rpg or ""), direct=direct, haproxy=haproxy,
-                         extra_env=dict(MODES[mode], **key_env, **cluster_env)) as srv:
-            srv.name = "laya-fleet (%s%s%s%s)" % (
-                os.path.basename(args.config), ", HAProxy" if haproxy else ", direct ingress" if direct else "",
-                ", %d per GPU (not as shipped)" % rpg if rpg else "",
-                "".join(", %s=%s" % kv for kv in cluster_env.items()))
-            startup[srv.name] = round(srv.ready_s, 1)
-            answers[srv.name] = sample_answers(srv.url + "/v1/systemone", payloads[:16], hdr)
-            results[srv.name] = run_server(srv, payloads, levels, args.duration, args.warmup, hdr, procs,
-                                           cpu=True, fused=fused)
-            if haproxy and srv.urls and 1 in levels:  # what the HAProxy hop costs one request alone
-                direct_srv = Server("")
-                direct_srv.name, direct_srv.url = srv.name + " [one replica's own port]", srv.urls[0]
-                results[direct_srv.name] = run_server(direct_srv, payloads, [1], args.duration, args.warmup, hdr)
+    if args.config and not (args.url or args.upstream_only):
+        config_runs(args, payloads, levels, logs, procs, cluster_env, results, startup, answers)
+    elif not (args.url or args.config):
+        built_runs(args, payloads, levels, logs, ingress, procs, gpus, results, startup, answers)
     if args.url and not args.upstream_only:
         srv = Server("")
         srv.name, srv.url = "laya-fleet", args.url.rstrip("/")
@@ -931,13 +823,9 @@ def main(argv: list[str] | None = None) -> int:
             results[srv.name] = run_server(srv, payloads, upstream_levels, args.duration, args.warmup, None, procs)
     out: dict[str, Any] = {"env": environment(args.checkpoint, args.backend),
                            "settings": {"levels": levels, "duration_s": args.duration, "warmup_s": args.warmup,
-                                        "replicas": args.replicas, "gpus_per_replica": args.gpus_per_replica,
-                                        "ingress_replicas": ingress,
-                                        "ingress_inflight": args.ingress_inflight, "client_procs": procs,
-                                        "proxies": args.proxies, "ingress_mode": args.ingress_mode,
-                                        "gil_switch_interval_s": args.gil_switch_interval,
-                                        "max_batch_tokens": args.max_batch_tokens, "url": args.url,
-                                        "config": args.config, "upstream_levels": upstream_levels,
+                                        "replicas": args.replicas, "ingress_replicas": ingress,
+                                        "client_procs": procs, "max_batch_tokens": args.max_batch_tokens,
+                                        "url": args.url, "config": args.config, "upstream_levels": upstream_levels,
                                         "retry_after_cap_s": retry_after_cap()},
                            "startup_s": startup, "results": results}
     names = list(answers)
