@@ -13,6 +13,8 @@ from .driver import run
 from .io import ConfigError, atomic_write_json
 from .summary import format_summary
 
+log = logging.getLogger("serve_app.offline")
+
 
 def parser() -> argparse.ArgumentParser:
     """The argument parser of `python -m serve_app.offline`: one flag per `OfflineConfig` field, then CLI-only ones."""
@@ -45,10 +47,17 @@ def main(argv: list[str] | None = None) -> int:
     kw = {k: v for k, v in vars(args).items() if k not in ("quiet", "summary_json")}
     cfg = OfflineConfig(**kw)
     try:
+        if args.summary_json and not os.path.isdir(os.path.dirname(os.path.abspath(args.summary_json))):
+            raise ConfigError("--summary-json %s: its directory does not exist" % args.summary_json)
         summary = run(cfg)
     except ConfigError as e:
         print("offline: %s" % e, file=sys.stderr)
         return 2
+    except Exception as e:  # the traceback goes to the log; the last line says what failed
+        log.error("the job failed", exc_info=True)
+        print("offline: the job failed: %s: %s" % (type(e).__name__, (str(e).strip().splitlines() or [""])[-1]),
+              file=sys.stderr)
+        return 1
     print(format_summary(summary))
     if args.summary_json:
         atomic_write_json(os.path.abspath(args.summary_json), summary)

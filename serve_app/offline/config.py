@@ -48,6 +48,9 @@ class OfflineConfig:
     head_max_len: int | None = option(None, "tokens for question + options (default: the checkpoint's)", type=int)
     max_state_chars: int = option(50000, "longer states get an error value (0: no limit)", type=int)
     max_files: int | None = option(None, "score at most this many pending input files, then stop", type=int)
+    skip_bad_files: bool = option(False, "skip input files that cannot be read or lack a column or have one of "
+                                  "the wrong type (reported in the summary; default: refuse the job)",
+                                  action="store_true")
     overwrite: bool = option(False, "discard everything in --output (any job) and start over", action="store_true")
     address: str | None = option(None, "Ray cluster address (default: RAY_ADDRESS, or a new local cluster)")
     progress_interval: float = option(10.0, "seconds between progress log lines", type=float)
@@ -77,10 +80,11 @@ class JobSpec:
 
 @dataclass
 class Job:
-    """A checked job: spec for the stages, prepared questions, files and the fingerprint of its outputs."""
+    """A checked job: spec for the stages, prepared questions, files, the fingerprint of its outputs, bad files."""
 
     spec: JobSpec
     prepared: Any        # model.codec.Prepared
     fs: Any              # pyarrow filesystem of the inputs
     files: list          # io.InputFile, sorted by path
     fingerprint: dict
+    bad: list = field(default_factory=list)  # input files skipped (--skip-bad-files): file, reason, rows

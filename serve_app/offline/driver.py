@@ -20,9 +20,20 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
+from . import reaper
 from .config import Job, JobSpec, OfflineConfig
 from .decode import DecodeStage
-from .io import SUMMARY_FILE, ConfigError, InputFile, OutputDir, atomic_write_json, discover, read_footers
+from .io import (
+    JOB_FILE,
+    SUMMARY_FILE,
+    ConfigError,
+    InputFile,
+    OutputDir,
+    atomic_write_json,
+    check_columns,
+    discover,
+    read_footers,
+)
 from .schema import RAY_PATH, RAY_ROW_HASH, output_fields
 from .score import ScorerReports, ScoreStage
 from .summary import summarize
@@ -89,12 +100,7 @@ def prepare_job(cfg: OfflineConfig) -> Job:
         raise ConfigError("output column names collide: %s (question ids make <qid>, <qid>_confidence, "
                           "<qid>_answer_confidence, <qid>_probabilities; rename the question or column)" % dup)
     fs, files = discover(cfg.input, exclude=os.path.abspath(os.path.expanduser(cfg.output)))
-    read_footers(fs, files)
-    for f in files:
-        names = set(f.schema.names)
-        for c in [cfg.state_column] + carry:
-            if c not in names:
-                raise ConfigError("column %r is not in %s (it has %s)" % (c, f.uri, sorted(names)))
+    files, bad = check_files(cfg, fs, files, carry)
     spec = JobSpec(checkpoint=os.path.abspath(cfg.checkpoint),
                    questions_json=json.dumps(questions, sort_keys=False, ensure_ascii=False),
                    state_column=cfg.state_column, carry_columns=tuple(carry), json_state=cfg.json_state,
@@ -103,7 +109,27 @@ def prepare_job(cfg: OfflineConfig) -> Job:
                    "state_column": cfg.state_column, "json_state": cfg.json_state, "id_column": cfg.id_column,
                    "passthrough": list(cfg.passthrough), "max_len": prepared.max_len,
                    "head_max_len": prepared.head_max_len, "max_state_chars": cfg.max_state_chars}
-    return Job(spec, prepared, fs, files, fingerprint)
+    return Job(spec, prepared, fs, files, fingerprint, bad)
+
+
+def check_files(cfg: OfflineConfig, fs, files: list[InputFile], carry: list[str]) -> tuple[list[InputFile], list]:
+    """(the input files the job can read, the bad ones as {file, reason, rows}) from their footers.
+
+    A bad file is one whose footer cannot be read or that lacks a column or holds one in a type the job cannot
+    read; ConfigError names them unless `--skip-bad-files`, and always when no file is left.
+    """
+    reasons = read_footers(fs, files)
+    reasons.update(check_columns([f for f in files if f.path not in reasons], cfg.state_column, carry))
+    good = [f for f in files if f.path not in reasons]
+    bad = [{"file": f.uri, "reason": reasons[f.path], "rows": f.num_rows if f.schema is not None else None}
+           for f in files if f.path in reasons]
+    if bad and (not cfg.skip_bad_files or not good):
+        shown = "; ".join(b["reason"] for b in bad[:5]) + ("; and %d more" % (len(bad) - 5) if len(bad) > 5 else "")
+        hint = "pass --skip-bad-files to score the other %d file(s)" % len(good) if good else "no input file is usable"
+        raise ConfigError("%d input file(s) cannot be scored: %s (%s)" % (len(bad), shown, hint))
+    for b in bad:
+        log.warning("skipping %s", b["reason"])
+    return good, bad
 
 
 # -- Ray ----------------------------------------------------------------------------------------
@@ -118,7 +144,9 @@ def init_ray(cfg: OfflineConfig, cpus_needed: float) -> None:
     elif os.environ.get("RAY_ADDRESS"):
         ray.init()
     else:  # an embedded local cluster; declare enough logical CPUs for actors plus CPU stages
+        before = reaper.descendants(os.getpid()) if os.path.isdir("/proc") else set()
         ray.init(num_cpus=int(max(os.cpu_count() or 1, cpus_needed + 2)))
+        reaper.start(os.getpid(), before)  # the local Ray ends with this process, even a SIGKILLed one
 
 
 def plan_actors(cfg: OfflineConfig) -> dict:
@@ -189,7 +217,9 @@ def run(cfg: OfflineConfig, on_progress: Callable[[dict], None] | None = None) -
     t0 = time.perf_counter()
     job = prepare_job(cfg)
     out = OutputDir(cfg.output)
+    created, had_job_file = not os.path.isdir(out.root), os.path.exists(out.path(JOB_FILE))
     out.lock()
+    collector = None
     try:
         reuse = out.check_job(job.fingerprint, cfg.overwrite)
         stale = out.clean_temporaries()
@@ -216,6 +246,10 @@ def run(cfg: OfflineConfig, on_progress: Callable[[dict], None] | None = None) -
         summary = summarize(cfg, job, out, done, pending, collector, scorers, plan, time.perf_counter() - t0)
         atomic_write_json(out.path(SUMMARY_FILE), summary)
         return summary
+    except BaseException:
+        if collector is None or not collector.done:
+            out.discard_if_unused(created, had_job_file)
+        raise
     finally:
         out.unlock()
 

@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -115,18 +116,59 @@ def discover(inputs: list[str], exclude: str | None = None) -> tuple[pafs.FileSy
     return filesystem, files
 
 
-def read_footers(fs: pafs.FileSystem, files: list[InputFile], threads: int = 16) -> None:
-    """Fill in each file's row count and Arrow schema from its Parquet footer (no data is read)."""
+def read_footers(fs: pafs.FileSystem, files: list[InputFile], threads: int = 16) -> dict[str, str]:
+    """Fill in each file's row count and Arrow schema from its Parquet footer (no data is read).
+
+    Returns the reason for each file (by path) whose footer cannot be read: missing, truncated, not Parquet.
+    """
+    bad: dict[str, str] = {}
+
     def one(f: InputFile) -> None:
         try:
             with fs.open_input_file(f.path) as fh:
                 md = pq.ParquetFile(fh).metadata
                 f.num_rows, f.schema = md.num_rows, md.schema.to_arrow_schema()
         except (OSError, pa.ArrowInvalid) as e:
-            raise ConfigError("cannot read the Parquet footer of %s: %s" % (f.uri, e)) from None
+            bad[f.path] = "cannot read the Parquet footer of %s: %s" % (f.uri, str(e).splitlines()[0] if str(e)
+                                                                          else type(e).__name__)
 
     with ThreadPoolExecutor(max(1, min(threads, len(files)))) as ex:
         list(ex.map(one, files))
+    return bad
+
+
+def is_state_type(t: pa.DataType) -> bool:
+    """Whether a column of Arrow type `t` can hold states: text, bytes, struct, list or map."""
+    return any(f(t) for f in (pa.types.is_string, pa.types.is_large_string, pa.types.is_binary,
+                              pa.types.is_large_binary, pa.types.is_struct, pa.types.is_list,
+                              pa.types.is_large_list, pa.types.is_map))
+
+
+def check_columns(files: list[InputFile], state_column: str, carry: list[str]) -> dict[str, str]:
+    """The reason for each file (by path) that lacks a column, or holds it in a type the job cannot read.
+
+    The state column must be text, bytes, struct, list or map; every column read must have one type across the
+    inputs (Ray Data reads them as one dataset), the type most inputs have.
+    """
+    bad: dict[str, str] = {}
+    for f in files:
+        names = set(f.schema.names)
+        missing = [c for c in [state_column] + carry if c not in names]
+        if missing:
+            bad[f.path] = "column %r is not in %s (it has %s)" % (missing[0], f.uri, sorted(names))
+        elif not is_state_type(f.schema.field(state_column).type):
+            bad[f.path] = ("column %r of %s is %s; the state column must be string, binary, struct, list or map"
+                           % (state_column, f.uri, f.schema.field(state_column).type))
+    for c in [state_column] + carry:
+        kinds = Counter(str(f.schema.field(c).type) for f in files if f.path not in bad)
+        if len(kinds) < 2:
+            continue
+        usual = kinds.most_common(1)[0][0]
+        for f in files:
+            t = str(f.schema.field(c).type) if f.path not in bad else usual
+            if t != usual:
+                bad[f.path] = "column %r of %s is %s, but %s in the other inputs" % (c, f.uri, t, usual)
+    return bad
 
 
 # -- atomic writes ------------------------------------------------------------------------------
@@ -193,12 +235,22 @@ class OutputDir:
 
     def lock(self) -> None:
         """Take the directory's lock (released when the process exits); ConfigError if another run holds it."""
-        os.makedirs(self.root, exist_ok=True)
-        self._lock_fh = open(self.path(LOCK_FILE), "a+")
+        if os.path.exists(self.root) and not os.path.isdir(self.root):
+            raise ConfigError("--output %s is a file; name a directory" % self.root)
+        try:
+            os.makedirs(self.root, exist_ok=True)
+            self._lock_fh = open(self.path(LOCK_FILE), "a+")
+        except OSError as e:
+            raise ConfigError("--output %s cannot be written: %s" % (self.root, e.strerror or e)) from None
         try:
             fcntl.flock(self._lock_fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise ConfigError("another run is writing to %s (it holds %s)" % (self.root, LOCK_FILE)) from None
+            self._lock_fh.seek(0)
+            holder = self._lock_fh.read().strip() or "?"
+            self._lock_fh.close()
+            self._lock_fh = None
+            raise ConfigError("another run (pid %s) is writing to %s (it holds %s)"
+                              % (holder, self.root, LOCK_FILE)) from None
         self._lock_fh.seek(0)
         self._lock_fh.truncate()
         self._lock_fh.write("%d\n" % os.getpid())
@@ -233,6 +285,17 @@ class OutputDir:
             self.clear()
         atomic_write_json(f, fingerprint)
         return old is not None and not overwrite
+
+    def discard_if_unused(self, created: bool, had_job_file: bool) -> None:
+        """After a failed run that completed no file: remove the job file it wrote and, when the run `created`
+        the directory, the lock and the directory, so the next run starts as if this one never happened."""
+        if not had_job_file and os.path.exists(self.path(JOB_FILE)):
+            os.remove(self.path(JOB_FILE))
+        if created and set(os.listdir(self.root)) <= {LOCK_FILE}:
+            self.unlock()
+            if os.path.exists(self.path(LOCK_FILE)):
+                os.remove(self.path(LOCK_FILE))
+            os.rmdir(self.root)
 
     def clear(self) -> None:
         """Remove earlier outputs, markers and summary (keeps the lock)."""

@@ -32,8 +32,9 @@ def summarize(cfg: OfflineConfig, job: Job, out: OutputDir, done: list[InputFile
     if len(tl) > 400:
         tl = tl[::len(tl) // 400 + 1] + [tl[-1]]
     return {
-        "output": out.root, "input_files": len(job.files), "files_skipped_done": len(done),
+        "output": out.root, "input_files": len(job.files) + len(job.bad), "files_skipped_done": len(done),
         "files_scored": len(c.done), "files_left": left,
+        "files_bad": len(job.bad), "rows_not_scored": sum(b["rows"] or 0 for b in job.bad), "bad_files": job.bad,
         "rows": c.rows, "errors": c.errors, "error_kinds": dict(c.error_kinds.most_common(10)),
         "tokens": c.tokens, "seconds": round(seconds, 3),
         "tokens_per_s": round(c.tokens / seconds, 1) if seconds > 0 else None,
@@ -61,10 +62,11 @@ def summarize(cfg: OfflineConfig, job: Job, out: OutputDir, done: list[InputFile
 
 def format_summary(s: dict) -> str:
     """The summary as a short human-readable block."""
+    bad = s.get("bad_files") or []
     lines = [
         "offline scoring summary (%s)" % s["output"],
-        "  files      %d scored, %d already done, %d left, %d total" % (
-            s["files_scored"], s["files_skipped_done"], s["files_left"], s["input_files"]),
+        "  files      %d scored, %d already done, %d left, %d bad (skipped), %d total" % (
+            s["files_scored"], s["files_skipped_done"], s["files_left"], len(bad), s["input_files"]),
         "  rows       %d (%d errors%s)" % (s["rows"], s["errors"], (": " + ", ".join(
             "%s %d" % kv for kv in s["error_kinds"].items())) if s["error_kinds"] else ""),
         "  tokens     %d in %.1f s = %s tokens/s (%s rows/s); %s tokens/s after the scorers were ready (%s s)" % (
@@ -77,4 +79,7 @@ def format_summary(s: dict) -> str:
             s["budgets"], s["oom_retries"], 100 * s["padding_overhead"], " (packed)" if s["packed"] else "",
             s["forward_s"]),
     ]
+    if bad:  # rows of a file whose footer cannot be read are not known
+        lines.insert(2, "  skipped    %d bad file(s), %d rows not scored: %s" % (
+            len(bad), s["rows_not_scored"], "; ".join(b["reason"] for b in bad[:5])))
     return "\n".join(lines)
