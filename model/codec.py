@@ -182,9 +182,10 @@ class Codec:
         qs = validate_questions(questions)
         ml = _check_budget("max_len", max_len) or self.bundle.max_len
         hml = _check_budget("head_max_len", head_max_len) or self.bundle.head_max_len
-        if ml > self.max_tokens_per_row:
-            raise ValueError("max_len=%d is longer than this backend supports (%d tokens per row)"
-                             % (ml, self.max_tokens_per_row))
+        for name, value in (("max_len", ml), ("head_max_len", hml)):  # a head never outgrows its row
+            if value > self.max_tokens_per_row:
+                raise ValueError("%s=%d is longer than this backend supports (%d tokens per row)"
+                                 % (name, value, self.max_tokens_per_row))
         heads = tuple(self.builder.head(q, hml) for q in qs)
         self.builder.check_fits(qs, heads, ml, hml)
         prepared = Prepared(tuple(qs), heads, ml, hml)

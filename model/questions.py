@@ -8,6 +8,7 @@ a `ValueError` whose message starts with ``question '<id>':`` so a caller can fi
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,6 +95,8 @@ def _choice(qid: Any, crit: Any) -> tuple[tuple[str, ...], tuple[Any, ...]]:
         if not isinstance(label, (str, int, float, bool)):
             raise _fail(qid, "choice label %d is a %s; a label must be a scalar (string, number or "
                              "bool), got %r" % (i, type(label).__name__, label))
+        if isinstance(label, float) and not math.isfinite(label):  # no JSON answer key, never equal to itself
+            raise _fail(qid, "choice label %d is %r; a number label must be finite" % (i, label))
         if label in seen:  # 1, 1.0 and True are one dict key
             raise _fail(qid, "choice label %d (%r) repeats label %d; every option needs its own "
                              "answer key (1, 1.0 and True are one key)" % (i, label, seen[label]))

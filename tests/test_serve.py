@@ -412,9 +412,9 @@ def test_metrics_are_exported(app):
     assert _post(app.url + "/v1/systemone", {"state": "x", "questions": QUESTIONS}, headers={}).status_code == 401
     stats = _stats()
     want = ['ray_laya_fleet_requests_total{', 'status="200"', 'status="413"', 'status="401"',
-            "ray_laya_fleet_request_latency_ms_bucket", "ray_laya_fleet_queue_wait_ms_bucket",
+            "ray_laya_fleet_request_duration_seconds_bucket", "ray_laya_fleet_queue_wait_seconds_bucket",
             "ray_laya_fleet_batch_requests_bucket", "ray_laya_fleet_batch_rows_bucket",
-            "ray_laya_fleet_batch_tokens_bucket", "ray_laya_fleet_forward_ms_bucket", "ray_laya_fleet_queue_depth",
+            "ray_laya_fleet_batch_tokens_bucket", "ray_laya_fleet_forward_seconds_bucket", "ray_laya_fleet_queue_depth",
             "ray_laya_fleet_warmup_seconds", "ray_laya_fleet_ingress_warmup_seconds", "ray_laya_fleet_token_budget"]
     if stats["oom_retries"]:
         want.append("ray_laya_fleet_oom_retries_total")

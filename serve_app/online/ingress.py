@@ -2,10 +2,11 @@
 
 Per request: bearer check (auth.py), capped body read, JSON, shape and size checks (request_checks.py),
 question validation and tokenization with the weightless codec (model/codec.py), one call to the scorer
-deployment with the rows, shared with concurrent requests (coalescer.py), then decoding. Error mapping:
-malformed JSON / missing fields 400, bad bearer 401, over a size limit 413, invalid question 422,
-overload 503 with Retry-After, anything else 500 with a fixed message. No response ever carries a
-traceback or a file path.
+deployment with the rows, shared with concurrent requests (coalescer.py), then decoding; a large body is
+checked and tokenized on a thread pool, off the event loop. Error mapping: malformed JSON / missing fields
+400, bad bearer 401, over a size limit 413, a body not declared JSON 415, invalid question 422, overload
+503 with Retry-After, anything else 500 with a fixed message; in a batch, a state the scorer fails on gets
+an error entry of its own. No response ever carries a traceback or a file path.
 """
 
 import asyncio
@@ -44,6 +45,8 @@ from .service_info import package_versions, serve_request_path
 log = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1
+SMALL_BODY_BYTES = 8 * 1024  # bodies up to this are checked and tokenized on the event loop (no thread hop)
+STATE_FAILED = "inference failed"
 ROUTES = ("/v1/systemone", "/v1/systemone/batch")
 
 
@@ -55,7 +58,8 @@ app = DocumentedApp(
     description="`POST /v1/systemone` answers `choice` / `score` / `noul` questions about one state; "
                 "`POST /v1/systemone/batch` answers one question set over many states. Errors are "
                 "`{\"detail\": ...}` with 400 (malformed JSON or missing fields), 401 (bearer), 413 (limits), "
-                "422 (invalid question), 503 + Retry-After (overloaded or not ready), 500 (internal).",
+                "415 (not `Content-Type: application/json`), 422 (invalid question), 503 + Retry-After "
+                "(overloaded or not ready), 500 (internal).",
     version="0.1.0",
 )
 
@@ -110,8 +114,8 @@ class Ingress:
         self._calls = CallCoalescer(self._score_many, max_inflight=max_inflight_calls,
                                     max_call_tokens=max_call_tokens)
         self._last_score_ok = 0.0
-        self._m = {n: metrics.make(n) for n in ("laya_fleet_requests", "laya_fleet_request_latency_ms",
-                                                 "laya_fleet_ingress_warmup_seconds")}
+        self._m = {n: metrics.make(n, checkpoint=metrics.checkpoint_label(checkpoint)) for n in (
+            "laya_fleet_requests", "laya_fleet_request_duration_seconds", "laya_fleet_ingress_warmup_seconds")}
         warm_s = time.perf_counter() - t0
         self._gauges = metrics.Refresher(lambda: self._m["laya_fleet_ingress_warmup_seconds"].set(warm_s))
         self._m["laya_fleet_ingress_warmup_seconds"].set(warm_s)
@@ -120,9 +124,9 @@ class Ingress:
 
     # -- plumbing -----------------------------------------------------------------------------
     def _record(self, route: str, status: int, t0: float) -> None:
-        tags = {"route": route}
-        self._m["laya_fleet_requests"].inc(tags={"route": route, "status": str(status)})
-        self._m["laya_fleet_request_latency_ms"].observe((time.perf_counter() - t0) * 1000.0, tags=tags)
+        tags = {"route": route, "status": str(status)}
+        self._m["laya_fleet_requests"].inc(tags=tags)
+        self._m["laya_fleet_request_duration_seconds"].observe(time.perf_counter() - t0, tags=tags)
 
     async def _cpu(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
@@ -206,8 +210,8 @@ class Ingress:
         status = 500
         try:
             self.auth.require(request)
-            body = await read_json(request, self.limits, self._cpu)
-            response = await answer(body)
+            body, size = await read_json(request, self.limits, self._cpu)
+            response = await answer(body, size > SMALL_BODY_BYTES)
             status = 200
             return response
         except HTTPError as e:
@@ -216,29 +220,18 @@ class Ingress:
         finally:
             self._record(route, status, t0)
 
-    async def _answer_one(self, body: Any) -> JSONResponse:
-        """The answer JSON for one state's body, with its X-Inference-Time-Ms header."""
+    def _encode_request(self, body: Any) -> tuple:
+        """(prepared, the state's rows) for a `/v1/systemone` body that passes its checks (400 / 413 / 422)."""
         if not isinstance(body, dict) or "questions" not in body:
             raise HTTPError(400, "request body must be an object with a 'questions' field")
         state, questions = body.get("state"), body["questions"]
-        n_chars = check_state(state, self.limits)
+        check_state(state, self.limits)
         check_questions(questions, self.limits)
         body = object_body(body, ("questions",))
-        budget = budget_args(body)
-        if n_chars <= 4096 and len(questions) <= 16:
-            prepared, enc = self._encode_one(state, questions, budget)
-        else:
-            prepared, enc = await self._cpu(self._encode_one, state, questions, budget)
-        if prepared is None:
-            return JSONResponse(Codec.empty_result())
-        t_inf = time.perf_counter()
-        logits, act = await self._score(enc.rows)
-        infer_ms = (time.perf_counter() - t_inf) * 1000.0
-        result = self.codec.decode(prepared, enc, logits, act)
-        return JSONResponse(result, headers={"X-Inference-Time-Ms": "%.2f" % infer_ms})
+        return self._encode_one(state, questions, budget_args(body))
 
-    async def _answer_batch(self, body: Any) -> JSONResponse:
-        """One answer JSON per state of a batch body, with their total usage."""
+    def _encode_batch_request(self, body: Any) -> tuple:
+        """(states, prepared, each state's rows) for a batch body that passes its checks (400 / 413 / 422)."""
         if not isinstance(body, dict) or "questions" not in body or "states" not in body:
             raise HTTPError(400, "request body must be an object with 'states' and 'questions' fields")
         states, questions = body["states"], body["questions"]
@@ -250,16 +243,51 @@ class Ingress:
             check_state(s, self.limits)
         check_questions(questions, self.limits)
         body = object_body(body, ("states", "questions"))
-        budget = budget_args(body)
-        prepared, encs = await self._cpu(self._encode_many, states, questions, budget)
+        return (states, *self._encode_many(states, questions, budget_args(body)))
+
+    async def _answer_one(self, body: Any, large: bool) -> JSONResponse:
+        """The answer JSON for one state's body, with its X-Inference-Time-Ms header; a `large` body is checked
+        and tokenized on the CPU pool, so it does not hold up the small requests beside it."""
+        prepared, enc = await self._cpu(self._encode_request, body) if large else self._encode_request(body)
+        if prepared is None:
+            return JSONResponse(Codec.empty_result())
+        t_inf = time.perf_counter()
+        logits, act = await self._score(enc.rows)
+        infer_ms = (time.perf_counter() - t_inf) * 1000.0
+        result = self.codec.decode(prepared, enc, logits, act)
+        return JSONResponse(result, headers={"X-Inference-Time-Ms": "%.2f" % infer_ms})
+
+    async def _answer_states(self, prepared, encs) -> list[dict]:
+        """One answer JSON per state; when the scorer fails the batch, each state is scored alone and a state that
+        fails again gets `{"model", "error"}` (500 if every state fails, any other error as it is)."""
+        try:
+            logits, act = await self._score([r for e in encs for r in e.rows])
+        except HTTPError as e:
+            if e.status != 500 or len(encs) == 1:
+                raise
+        else:
+            return await self._cpu(self._decode_many, prepared, encs, logits, act)
+        outs = await asyncio.gather(*(self._score(e.rows) for e in encs), return_exceptions=True)
+        failed = [isinstance(o, HTTPError) and o.status == 500 for o in outs]
+        if all(failed):
+            raise HTTPError(500, STATE_FAILED)
+        other = next((o for o, f in zip(outs, failed) if isinstance(o, BaseException) and not f), None)
+        if other is not None:
+            raise other
+        return [{"model": self.model_name, "error": STATE_FAILED} if f
+                else self.codec.decode(prepared, enc, *out) for enc, out, f in zip(encs, outs, failed)]
+
+    async def _answer_batch(self, body: Any, large: bool) -> JSONResponse:
+        """One answer JSON per state of a batch body (an error entry for a state the scorer failed on), with
+        the answered states' total usage; checked and tokenized on the CPU pool whatever its size."""
+        states, prepared, encs = await self._cpu(self._encode_batch_request, body)
         if prepared is None:
             results = [Codec.empty_result() for _ in states]
         else:
-            rows = [r for e in encs for r in e.rows]
-            logits, act = await self._score(rows)
-            results = await self._cpu(self._decode_many, prepared, encs, logits, act)
-        total = {"input_tokens": sum(r["usage"]["input_tokens"] for r in results),
-                 "output_tokens": sum(r["usage"]["output_tokens"] for r in results)}
+            results = await self._answer_states(prepared, encs)
+        answered = [r for r in results if "usage" in r]
+        total = {"input_tokens": sum(r["usage"]["input_tokens"] for r in answered),
+                 "output_tokens": sum(r["usage"]["output_tokens"] for r in answered)}
         return JSONResponse({"model": self.model_name, "results": results, "total_usage": total})
 
     # -- routes -------------------------------------------------------------------------------
@@ -345,5 +373,11 @@ class Ingress:
                 return {"ready": True, "busy": True}
             return JSONResponse({"ready": False}, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
         return {"ready": True, "budget": stats.get("budget")}
+
+    # HEAD answers as GET does, without the body (the HTTP server drops it); FastAPI routes take only the
+    # methods they name
+    for _path, _endpoint in (("/health", health), ("/ready", ready), ("/stats", stats), ("/info", server_info)):
+        app.head(_path, include_in_schema=False, response_model=None)(_endpoint)
+    del _path, _endpoint
 
 

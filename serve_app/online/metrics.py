@@ -1,48 +1,76 @@
-"""Application metrics, exported through Ray Serve's metrics API (Prometheus names get a `ray_` prefix).
+"""Application metrics in Prometheus base units (seconds, totals), exported through Ray Serve's metrics API.
 
-Serve adds the `deployment`, `replica` and `application` tags itself. Counters are exported as
-`<name>_total`; histograms as `<name>_bucket` / `_sum` / `_count`.
+`NAMES` declares every metric: kind, description, label keys and histogram buckets. Ray exports a metric as
+`ray_<name>`: counters as `ray_<name>_total`, histograms as `ray_<name>_bucket` / `_sum` / `_count`, gauges
+as `ray_<name>`; `exported` gives those names. Serve adds the `deployment`, `replica` and `application` labels
+itself. Labels: `checkpoint` (the checkpoint directory's basename, as `/info` names it), `backend` (the
+forward the scorer replica resolved: eager, fast, compile, aot), and on request metrics `route` and `status`.
 """
 
 from __future__ import annotations
 
-LATENCY_MS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 30000]
-WAIT_MS = [0.1, 0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 5000]
+import os
+
+DURATION_S = [0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30]
+WAIT_S = [0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 5]
 BATCH_REQUESTS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 BATCH_ROWS = [1, 4, 16, 64, 256, 1024, 4096]
 BATCH_TOKENS = [64, 256, 1024, 4096, 8192, 16384, 32768, 65536, 131072]
 
-# name -> (kind, description, tag keys, boundaries)
+REQUEST = ("checkpoint", "route", "status")
+SCORER = ("checkpoint", "backend")
+SERVE_LABELS = ("deployment", "replica", "application")  # added by Serve to every metric
+
+# name -> (kind, description, label keys, histogram buckets)
 NAMES = {
-    "laya_fleet_requests": ("counter", "HTTP requests by route and status code", ("route", "status"), None),
-    "laya_fleet_request_latency_ms": ("histogram", "HTTP request latency inside the ingress (ms)",
-                                      ("route",), LATENCY_MS),
-    "laya_fleet_ingress_warmup_seconds": ("gauge", "Seconds the ingress spent loading its tokenizer", (), None),
-    "laya_fleet_queue_wait_ms": ("histogram", "Time a request waited in the scorer queue before its batch ran (ms)",
-                                 (), WAIT_MS),
-    "laya_fleet_batch_requests": ("histogram", "Requests per scorer batch", (), BATCH_REQUESTS),
-    "laya_fleet_batch_rows": ("histogram", "Rows per scorer batch", (), BATCH_ROWS),
-    "laya_fleet_batch_tokens": ("histogram", "Tokens per scorer batch", (), BATCH_TOKENS),
-    "laya_fleet_forward_ms": ("histogram", "Scorer batch forward time (ms)", (), LATENCY_MS),
-    "laya_fleet_batch_fallbacks": ("counter", "Batches that failed and were retried one request at a time", (), None),
-    "laya_fleet_scorer_errors": ("counter", "Scorer requests that failed after retries", (), None),
-    "laya_fleet_oom_retries": ("counter", "Out-of-memory micro-batches that halved the token budget", (), None),
-    "laya_fleet_queue_depth": ("gauge", "Requests waiting in the scorer queue", (), None),
-    "laya_fleet_token_budget": ("gauge", "The scorer's current token budget per micro-batch", (), None),
-    "laya_fleet_warmup_seconds": ("gauge", "Seconds the scorer spent loading and warming up", (), None),
+    "laya_fleet_requests": ("counter", "HTTP requests by route and status code", REQUEST, None),
+    "laya_fleet_request_duration_seconds": ("histogram", "HTTP request duration inside the ingress",
+                                            REQUEST, DURATION_S),
+    "laya_fleet_ingress_warmup_seconds": ("gauge", "Seconds the ingress spent loading its tokenizer",
+                                          ("checkpoint",), None),
+    "laya_fleet_queue_wait_seconds": ("histogram", "Time a request waited in the scorer queue before its batch ran",
+                                      SCORER, WAIT_S),
+    "laya_fleet_batch_requests": ("histogram", "Requests per scorer batch", SCORER, BATCH_REQUESTS),
+    "laya_fleet_batch_rows": ("histogram", "Rows per scorer batch", SCORER, BATCH_ROWS),
+    "laya_fleet_batch_tokens": ("histogram", "Tokens per scorer batch", SCORER, BATCH_TOKENS),
+    "laya_fleet_forward_seconds": ("histogram", "Scorer batch forward time", SCORER, DURATION_S),
+    "laya_fleet_batch_fallbacks": ("counter", "Batches that failed and were retried one request at a time",
+                                   SCORER, None),
+    "laya_fleet_scorer_errors": ("counter", "Scorer requests that failed after retries", SCORER, None),
+    "laya_fleet_oom_retries": ("counter", "Out-of-memory micro-batches that halved the token budget", SCORER, None),
+    "laya_fleet_queue_depth": ("gauge", "Requests waiting in the scorer queue", SCORER, None),
+    "laya_fleet_token_budget": ("gauge", "The scorer's current token budget per micro-batch", SCORER, None),
+    "laya_fleet_warmup_seconds": ("gauge", "Seconds the scorer spent loading and warming up", SCORER, None),
 }
 
+_SUFFIXES = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count")}
 
-def make(name: str):
-    """The Serve metric object for one of `NAMES` (created in the replica process that records it)."""
+
+def exported(name: str) -> tuple[str, ...]:
+    """The series names Ray's Prometheus endpoint exports for one of `NAMES` (`ray_` prefix, kind's suffixes)."""
+    return tuple("ray_" + name + s for s in _SUFFIXES[NAMES[name][0]])
+
+
+def checkpoint_label(path: str) -> str:
+    """The `checkpoint` label of a checkpoint directory: its basename (what `/info` calls its name)."""
+    return os.path.basename(os.path.normpath(path))
+
+
+def make(name: str, **labels: str):
+    """The Serve metric object for one of `NAMES`, with `labels` as its default tags (created in the replica
+    process that records it; the remaining label keys are given per record)."""
     from ray.serve import metrics
 
-    kind, desc, tags, bounds = NAMES[name]
+    kind, desc, keys, bounds = NAMES[name]
     if kind == "counter":
-        return metrics.Counter(name, description=desc, tag_keys=tags)
-    if kind == "gauge":
-        return metrics.Gauge(name, description=desc, tag_keys=tags)
-    return metrics.Histogram(name, description=desc, boundaries=bounds, tag_keys=tags)
+        m = metrics.Counter(name, description=desc, tag_keys=keys)
+    elif kind == "gauge":
+        m = metrics.Gauge(name, description=desc, tag_keys=keys)
+    else:
+        m = metrics.Histogram(name, description=desc, boundaries=bounds, tag_keys=keys)
+    if labels:
+        m.set_default_tags(labels)
+    return m
 
 
 class Refresher:

@@ -1,18 +1,20 @@
 """Checks of one HTTP request before any tokenizing: body reading under limits, shape, sizes and budgets.
 
-Every failure is an `HTTPError` with upstream laya-serve's status and text: 400 malformed, 408 slow body,
-413 over a limit, 422 a bad budget. No message carries a traceback or a file path.
+Every failure is an `HTTPError` with upstream laya-serve's status and text where upstream has one: 400
+malformed (including NaN / Infinity, which JSON does not have), 408 slow body, 413 over a limit, 415 a body
+that is not declared JSON, 422 a bad budget. No message carries a traceback or a file path.
 """
 
 import asyncio
 import json
+import math
 import re
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import Request
 
-from model.questions import serialize_state
+from model.questions import render_criterion, serialize_state
 
 from .schemas import Limits
 
@@ -51,8 +53,44 @@ def state_chars(state: Any) -> int:
         raise HTTPError(400, "'state' must be a string or JSON object/array") from None
 
 
+def _text_chars(value: Any) -> int:
+    """Characters of `value` as the model reads it (strings as-is, anything else as JSON); 0 if unrenderable
+    (question validation then names the problem)."""
+    try:
+        return len(render_criterion(value))
+    except (TypeError, ValueError, RecursionError):
+        return 0
+
+
+def _question_texts(q: dict) -> list[tuple[str, Any]]:
+    """(what, value) for each criterion text of a question definition: labels, descriptions, levels."""
+    crit, out = q.get("criteria"), []
+    if isinstance(crit, dict):
+        for k, v in crit.items():
+            out += [("criterion label", k), ("criterion %r" % (k,), v)]
+    elif isinstance(crit, list):
+        out += [("criterion %d" % i, v) for i, v in enumerate(crit)]
+    labels = q.get("labels")
+    if isinstance(labels, dict):
+        out += [("label %r" % (k,), v) for k, v in labels.items()]
+    return out
+
+
+def _check_texts(qid: Any, q: dict, limits: Limits) -> None:
+    """413 naming the question when its instructions or one of its criterion texts is over its limit."""
+    if "instructions" in q:
+        n = _text_chars(q["instructions"])
+        if n > limits.max_instruction_chars:
+            raise HTTPError(413, "instructions too long for %r (%d > %d chars)"
+                            % (qid, n, limits.max_instruction_chars))
+    for what, value in _question_texts(q):
+        n = _text_chars(value)
+        if n > limits.max_criterion_chars:
+            raise HTTPError(413, "%s of %r too long (%d > %d chars)" % (what, qid, n, limits.max_criterion_chars))
+
+
 def check_questions(questions: Any, limits: Limits) -> None:
-    """400 if `questions` is not an object; 413 over the question and option limits."""
+    """400 if `questions` is not an object; 413 over the question, option and text limits."""
     if not isinstance(questions, dict):
         raise HTTPError(400, "'questions' must be an object")
     if len(questions) > limits.max_questions:
@@ -75,6 +113,9 @@ def check_questions(questions: Any, limits: Limits) -> None:
     if total > limits.max_total_options:
         raise HTTPError(413, "too many answer options across questions (%d > %d)"
                         % (total, limits.max_total_options))
+    for qid, q in questions.items():  # after the counts, which bound how many texts there are
+        if isinstance(q, dict):
+            _check_texts(qid, q, limits)
 
 
 def check_state(state: Any, limits: Limits) -> int:
@@ -100,9 +141,50 @@ def budget_args(body: dict) -> dict[str, int]:
     return out
 
 
-async def read_json(request: Request, limits: Limits, run_cpu: Callable[..., Awaitable[Any]]) -> Any:
-    """The request's JSON body, read under `limits` (413 over max_body_bytes, 408 past body_read_timeout_s,
-    400 for a bad Content-Length or invalid JSON); a large body is parsed by `run_cpu(json.loads, raw)`."""
+class _NotJSON(ValueError):
+    """A parsed value JSON does not have (NaN, Infinity, a number out of double range)."""
+
+
+def _reject_constant(name: str) -> Any:
+    raise _NotJSON("%s is not a JSON value (JSON has no NaN or Infinity)" % name)
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise _NotJSON("the number %s is out of range" % (text[:32],))
+    return value
+
+
+def loads_strict(raw: bytes) -> Any:
+    """`raw` parsed as strict JSON: NaN, Infinity, -Infinity and numbers that overflow a double raise
+    ValueError (Python's json module accepts them by default)."""
+    return json.loads(raw, parse_constant=_reject_constant, parse_float=_finite_float)
+
+
+JSON_MEDIA_HINT = "send the body as JSON with Content-Type: application/json"
+
+
+def check_media_type(content_type: str | None) -> None:
+    """415 unless `content_type` is `application/json` or `application/<x>+json`, with at most a UTF-8 charset.
+
+    A text/plain or form body must not be parsed: browsers send those cross-origin without a preflight."""
+    media, _, params = (content_type or "").partition(";")
+    if not media.strip():
+        raise HTTPError(415, "missing Content-Type; %s" % JSON_MEDIA_HINT)
+    main, _, sub = media.strip().lower().partition("/")
+    if main != "application" or not (sub == "json" or sub.endswith("+json")):
+        raise HTTPError(415, "unsupported Content-Type %r; %s" % (media.strip()[:64], JSON_MEDIA_HINT))
+    for param in params.split(";"):
+        key, _, value = param.partition("=")
+        if key.strip().lower() == "charset" and value.strip().strip('"').lower() not in ("utf-8", "utf8"):
+            raise HTTPError(415, "unsupported charset %r; JSON bodies are UTF-8" % value.strip()[:32])
+
+
+async def read_json(request: Request, limits: Limits, run_cpu: Callable[..., Awaitable[Any]]) -> tuple[Any, int]:
+    """The request's JSON body and its size in bytes, read under `limits` (413 over max_body_bytes, 408 past
+    body_read_timeout_s, 400 for a bad Content-Length or invalid JSON, 415 for a body not declared JSON); a
+    large body is parsed by `run_cpu(loads_strict, raw)`."""
     cap = limits.max_body_bytes
     declared = request.headers.get("content-length")
     if declared:
@@ -125,10 +207,13 @@ async def read_json(request: Request, limits: Limits, run_cpu: Callable[..., Awa
         raw = await asyncio.wait_for(collect(), limits.body_read_timeout_s)
     except TimeoutError:
         raise HTTPError(408, "request body was not received in time") from None
+    check_media_type(request.headers.get("content-type"))  # after the size limits, before any parsing
     try:
         if len(raw) > 64 * 1024:  # a multi-MiB parse would stall every other request on this loop
-            return await run_cpu(json.loads, raw)
-        return json.loads(raw)
+            return await run_cpu(loads_strict, raw), len(raw)
+        return loads_strict(raw), len(raw)
+    except _NotJSON as e:
+        raise HTTPError(400, "request body must be valid JSON: %s" % e) from None
     except (ValueError, RecursionError):
         raise HTTPError(400, "request body must be valid JSON") from None
 

@@ -13,7 +13,7 @@ from pydantic.json_schema import models_json_schema
 
 
 class Limits(BaseModel):
-    """Request limits; defaults are upstream `laya-serve`'s."""
+    """Request limits; defaults are upstream `laya-serve`'s, except the text limits, which upstream lacks."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -24,6 +24,10 @@ class Limits(BaseModel):
     max_score_levels: int = Field(32, ge=1)
     max_total_options: int = Field(512, ge=1)
     max_batch_states: int = Field(64, ge=1)
+    max_instruction_chars: int = Field(8192, ge=1, description="characters of one question's instructions "
+                                                              "(JSON length when not a string)")
+    max_criterion_chars: int = Field(2048, ge=1, description="characters of one criterion text: a label, a "
+                                                            "description, a score level, a noul label")
     body_read_timeout_s: float = Field(10.0, gt=0)
     scorer_timeout_s: float = Field(60.0, gt=0, description="give up on one scorer call after this long (504)")
     scorer_retries: int = Field(3, ge=0, description="retries of a scorer call whose replica died")
@@ -36,6 +40,8 @@ _EXAMPLE = {"state": "Hi, my order #1234 arrived broken and I want my money back
                           "angry": {"type": "noul", "instructions": "Is the customer angry?"}}}
 _BATCH_EXAMPLE = {"states": [_EXAMPLE["state"], {"subject": "invoice", "body": "Where is my invoice?"}],
                   "questions": _EXAMPLE["questions"]}
+_INSTRUCTIONS_DOC = ("what the model should answer, about the state; at most %d characters (413); an object or "
+                     "array is accepted and read as its JSON" % _LIMITS.max_instruction_chars)
 _ORDER_DOC = "a permutation of range(number of options): slot s of the sequence shows option option_order[s]"
 
 
@@ -45,7 +51,7 @@ class ChoiceQuestion(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     type: Literal["choice"]
-    instructions: str = Field(description="what the model should answer, about the state")
+    instructions: str = Field(max_length=_LIMITS.max_instruction_chars, description=_INSTRUCTIONS_DOC)
     criteria: (Annotated[dict[str, Any], Field(max_length=_LIMITS.max_choice_options)]
                | Annotated[list[Any], Field(max_length=_LIMITS.max_choice_options)]) = Field(
         description="{label: description} or [label, ...]; at most %d options (413), %d across all questions"
@@ -59,7 +65,7 @@ class ScoreQuestion(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     type: Literal["score"]
-    instructions: str = Field(description="what the model should answer, about the state")
+    instructions: str = Field(max_length=_LIMITS.max_instruction_chars, description=_INSTRUCTIONS_DOC)
     criteria: list[Any] = Field(max_length=_LIMITS.max_score_levels,
                                 description="level texts from lowest to highest; at most %d levels (413)"
                                             % _LIMITS.max_score_levels)
@@ -72,7 +78,7 @@ class NoulQuestion(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     type: Literal["noul"]
-    instructions: str = Field(description="the statement, or question, about the state")
+    instructions: str = Field(max_length=_LIMITS.max_instruction_chars, description=_INSTRUCTIONS_DOC)
     criteria: dict[str, Any] | None = Field(None, description="optional {'false': ..., 'true': ...} descriptions")
     labels: dict[str, str] | None = Field(None, description="{'false': ..., 'true': ...}: how the sides are worded")
     option_order: list[int] | None = Field(None, description=_ORDER_DOC)
@@ -87,7 +93,8 @@ _QUESTIONS_DOC = ("question id -> question; at most %d questions (413); an inval
                   % _LIMITS.max_questions)
 _MODEL_DOC = "accepted for compatibility and ignored (one checkpoint per application)"
 _MAX_LEN_DOC = "token budget per row (default and maximum: the checkpoint's max_len; 422 beyond)"
-_HEAD_LEN_DOC = "token budget of a question's head (default: the checkpoint's head_max_len)"
+_HEAD_LEN_DOC = ("token budget of a question's head (default: the checkpoint's head_max_len; at most the "
+                 "checkpoint's max_len, 422 beyond)")
 
 
 class SystemOneRequest(BaseModel):
@@ -168,6 +175,13 @@ class SystemOneResponse(BaseModel):
     usage: Usage
 
 
+class StateError(BaseModel):
+    """A batch state that could not be scored (the others are answered)."""
+
+    model: str = Field(examples=["laya-rl-agent"])
+    error: str = Field(examples=["inference failed"])
+
+
 class TotalUsage(BaseModel):
     input_tokens: int
     output_tokens: int
@@ -175,7 +189,8 @@ class TotalUsage(BaseModel):
 
 class BatchResponse(BaseModel):
     model: str = Field(examples=["laya-rl-agent"])
-    results: list[SystemOneResponse] = Field(description="one answer JSON per state, in order")
+    results: list[SystemOneResponse | StateError] = Field(
+        description="one answer JSON per state, in order; a state the scorer failed on is a StateError")
     total_usage: TotalUsage
 
 
@@ -267,7 +282,9 @@ def _request_doc(model: type[BaseModel], example: dict) -> dict:
 def error_docs(*statuses: int) -> dict:
     """OpenAPI `responses=` entries of these error statuses ({"detail": ...} bodies)."""
     what = {400: "malformed JSON or missing fields", 401: "missing or wrong bearer key",
-            408: "body not received in time", 413: "over a size limit", 422: "a question or budget fails validation",
+            408: "body not received in time", 413: "over a size limit",
+            415: "Content-Type is not application/json (or +json) with UTF-8",
+            422: "a question or budget fails validation",
             500: "internal error", 503: "overloaded or no scorer: retry after Retry-After seconds",
             504: "a scorer call timed out"}
     return {s: {"model": ErrorResponse, "description": what[s]} for s in statuses}
@@ -275,7 +292,7 @@ def error_docs(*statuses: int) -> dict:
 
 BODY_DOC = _request_doc(SystemOneRequest, _EXAMPLE)
 BATCH_DOC = _request_doc(BatchRequest, _BATCH_EXAMPLE)
-SCORE_ERRORS = error_docs(400, 401, 408, 413, 422, 500, 503, 504)
+SCORE_ERRORS = error_docs(400, 401, 408, 413, 415, 422, 500, 503, 504)
 
 
 class DocumentedApp(FastAPI):

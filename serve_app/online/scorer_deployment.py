@@ -104,7 +104,7 @@ class ScorerDeployment:
         self.policy = policy
         engine = self.scorer.engine
         # what /info reports, fixed at start (the hash reads the checkpoint's files: not on the event loop later)
-        self._facts = {"checkpoint": os.path.basename(os.path.normpath(engine.path)),
+        self._facts = {"checkpoint": metrics.checkpoint_label(engine.path),
                        "checkpoint_hash": engine.checkpoint_hash, "dtype": _precision(engine),
                        "max_len": engine.bundle.max_len, "head_max_len": engine.bundle.head_max_len}
         self.batcher = TokenBatcher(self.scorer.score_rows_async, lambda: self.scorer.budget,
@@ -116,9 +116,10 @@ class ScorerDeployment:
         self._wait_s_sum = 0.0
         self._forward_s_sum = 0.0
         self._oom_seen = self.scorer.stats.oom_retries
-        self._m = {n: metrics.make(n) for n in (
-            "laya_fleet_queue_wait_ms", "laya_fleet_batch_requests", "laya_fleet_batch_rows",
-            "laya_fleet_batch_tokens", "laya_fleet_forward_ms", "laya_fleet_batch_fallbacks",
+        labels = {"checkpoint": self._facts["checkpoint"], "backend": engine.backend_name}
+        self._m = {n: metrics.make(n, **labels) for n in (
+            "laya_fleet_queue_wait_seconds", "laya_fleet_batch_requests", "laya_fleet_batch_rows",
+            "laya_fleet_batch_tokens", "laya_fleet_forward_seconds", "laya_fleet_batch_fallbacks",
             "laya_fleet_scorer_errors", "laya_fleet_oom_retries", "laya_fleet_queue_depth",
             "laya_fleet_token_budget", "laya_fleet_warmup_seconds")}
         self.ready_s = time.perf_counter() - t0
@@ -192,11 +193,11 @@ class ScorerDeployment:
         self._forward_s_sum += rec.forward_s
         m = self._m
         for w in rec.waits_s:
-            m["laya_fleet_queue_wait_ms"].observe(w * 1000.0)
+            m["laya_fleet_queue_wait_seconds"].observe(w)
         m["laya_fleet_batch_requests"].observe(rec.requests)
         m["laya_fleet_batch_rows"].observe(rec.rows)
         m["laya_fleet_batch_tokens"].observe(rec.tokens)
-        m["laya_fleet_forward_ms"].observe(rec.forward_s * 1000.0)
+        m["laya_fleet_forward_seconds"].observe(rec.forward_s)
         m["laya_fleet_queue_depth"].set(self.batcher.queued)
         if rec.fallback:
             m["laya_fleet_batch_fallbacks"].inc()
