@@ -65,13 +65,16 @@ def inputs(tmp_path):
 
 
 # -- refused before any work -------------------------------------------------------------------
-def test_wrong_typed_state_column_exits_2_before_work(tmp_path, capsys, tiny_checkpoint, inputs):
-    import ray
+def test_wrong_typed_state_column_exits_2_before_work(tmp_path, capsys, tiny_checkpoint, inputs, monkeypatch):
+    from serve_app.offline import driver
 
+    inits = []  # the driver attaching to or starting Ray (a session-wide Ray of other modules may be up)
+    real_init = driver.init_ray
+    monkeypatch.setattr(driver, "init_ray", lambda *a, **k: inits.append(a) or real_init(*a, **k))
     wrong_typed(str(tmp_path / "in" / "part-05.parquet"))
     code = offline.main(job_args(tmp_path / "in", tmp_path / "out", tiny_checkpoint, "-q"))
     one_line_refusal(capsys, code, "part-05.parquet", "'state_json'", "int64", "--skip-bad-files")
-    assert not (tmp_path / "out").exists() and not ray.is_initialized()
+    assert not (tmp_path / "out").exists() and inits == []
 
 
 def test_column_type_differing_between_files_exits_2(tmp_path, capsys, tiny_checkpoint, inputs):
