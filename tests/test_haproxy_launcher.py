@@ -184,3 +184,105 @@ def test_every_replica_backend_keeps_a_client_on_its_last_replica(tmp_path):
     assert "option prefer-last-server" in sections["http-other"]
     assert "option prefer-last-server" not in sections["default_backend"]
     assert haproxy.rewrite(out).count("option prefer-last-server") == 2  # rewriting twice adds nothing
+
+
+def _serve(handler) -> tuple[int, object]:
+    """A thread accepting connections on a free loopback port, each handled by `handler(conn)`."""
+    import socket
+    import threading
+
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+
+    def loop():
+        while True:
+            try:
+                conn, _ = sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=handler, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=loop, daemon=True).start()
+    return sock.getsockname()[1], sock
+
+
+def _read_request(conn) -> bool:
+    """Read one whole HTTP request (headers and a Content-Length body) from `conn`; False on EOF."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = conn.recv(65536)
+        if not chunk:
+            return False
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next((int(h.split(b":", 1)[1]) for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")),
+                  0)
+    while len(body) < length:
+        body += conn.recv(65536)
+    return True
+
+
+def _dies_mid_request(conn):
+    """A replica that dies holding the request: it reads it whole and closes without a byte of answer."""
+    _read_request(conn)
+    conn.close()
+
+
+def _answers(conn):
+    with conn:
+        while _read_request(conn):
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Type: text/plain\r\n\r\nok")
+
+
+@pytest.mark.parametrize("retry_on_set", [False, True])
+def test_a_request_a_dying_replica_dropped_goes_to_another(tmp_path, retry_on_set):
+    """Through the real HAProxy, POSTs spread over a replica that drops every request unanswered and one that
+    answers: with the rewrite each gets the live replica's 200; with Ray's `retry-on conn-failure` kept (as
+    when RAY_SERVE_HAPROXY_RETRY_ON is set) some come back without an answer, so the check can fail."""
+    import httpx
+
+    dead, dead_sock = _serve(_dies_mid_request)
+    live, live_sock = _serve(_answers)
+    port = _free_port()
+    config = RAY_CONFIG.format(sock=tmp_path / "admin.sock", metrics=_free_port(), http=port, stats=_free_port(),
+                               host="127.0.0.1")
+    config = config.replace("    balance leastconn\n", "    balance roundrobin\n    option redispatch 1\n"
+                            "    retry-on conn-failure\n    timeout server 30s\n")
+    config = config.replace("    server SERVE_REPLICA_laya-Ingress-1 127.0.0.1:30000 check\n",
+                            "    server r-dead 127.0.0.1:%d\n    server r-live 127.0.0.1:%d\n" % (dead, live))
+    path = tmp_path / "haproxy.cfg"
+    rewritten = haproxy.rewrite(config, retry_on_set=retry_on_set)
+    assert ("retry-on %s" % haproxy.RETRY_ON in rewritten) is not retry_on_set
+    path.write_text(rewritten)
+    proc = subprocess.Popen([haproxy.real_binary(), "-db", "-f", str(path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    statuses = []
+    try:
+        import socket
+        import time
+
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline and proc.poll() is None, "HAProxy did not listen"
+                time.sleep(0.1)
+        with httpx.Client(base_url="http://127.0.0.1:%d" % port, timeout=30) as client:
+            for i in range(8):
+                try:
+                    statuses.append(client.post("/v1/systemone", json={"i": i}).status_code)
+                except httpx.HTTPError as e:
+                    statuses.append(type(e).__name__)
+    finally:
+        proc.kill()
+        proc.wait(10)
+        dead_sock.close()
+        live_sock.close()
+    if retry_on_set:
+        assert any(s != 200 for s in statuses), statuses
+    else:
+        assert statuses == [200] * 8, statuses

