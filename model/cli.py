@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
 
     mk = sub.add_parser("make-checkpoint", help="write a bundle with random weights and a trained BPE tokenizer")
-    mk.add_argument("--shape", default="tiny", choices=["tiny", "mmbert-base", "modernbert-large"])
+    mk.add_argument("--shape", default="tiny", choices=["tiny", "tiny-multilingual", "mmbert-base", "modernbert-large"])
     mk.add_argument("--out", required=True)
     mk.add_argument("--seed", type=int, default=0)
     mk.set_defaults(fn=_cmd_make_checkpoint)
