@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import abstention as _abstention
 from . import decode as _decode
 from .bundle import Bundle, checkpoint_hash, load_model, open_bundle
 from .codec import Codec, Prepared
@@ -24,7 +25,7 @@ from .sequence import EncodedState, Row
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Engine", "Prepared", "load", "resolve_device"]
+__all__ = ["Engine", "Prepared", "load", "resolve_device", "row_token_limit"]
 
 
 class Engine:
@@ -34,7 +35,7 @@ class Engine:
         self.bundle = bundle
         self.backend = backend
         # a packed backend stages rows from their int32 arrays (Row.arr)
-        self.codec = Codec(bundle, backend.max_tokens_per_row, row_arrays=bool(backend.packed))
+        self.codec = Codec(bundle, row_token_limit(bundle, backend), row_arrays=bool(backend.packed))
         self.builder = self.codec.builder
         self.temperatures = self.codec.temperatures
         self._hash: str | None = None
@@ -88,15 +89,19 @@ class Engine:
 
     # -- in-process API -----------------------------------------------------------------------
     def predict(self, state: Any, questions: Any, **kw: Any) -> dict:
-        """Answer every question about one state; same result as upstream `Agent.predict`."""
+        """The answer JSON for one state; same result as upstream `Agent.predict`, including its `min_confidence`
+        gate (`model.abstention`); takes `predict_batch`'s keywords."""
         if isinstance(state, (bytes, bytearray)):
             raise TypeError("state must be a string, dict, or list, got bytes")
         return self.predict_batch([state], questions, **kw)[0]
 
     def predict_batch(self, states: Sequence[Any], questions: Any, batch_size: int | None = None,
                       sort_by_length: bool = False, max_len: int | None = None,
-                      head_max_len: int | None = None) -> list[dict]:
-        """Answer the same questions about many states, `batch_size` states per forward (None = all)."""
+                      head_max_len: int | None = None, min_confidence: Any = None) -> list[dict]:
+        """One answer JSON per state for the same questions, `batch_size` states per forward (None = all);
+        `min_confidence` (a number in [0, 1] or a per-bucket map, validated first: ValueError with upstream's
+        text) gates the answers as upstream does (`model.abstention.apply`)."""
+        threshold = _abstention.check_optional(min_confidence)
         if isinstance(states, (str, bytes, dict)):
             raise TypeError("predict_batch expects a list of states; pass a single state to predict()")
         if not isinstance(questions, dict):
@@ -131,6 +136,7 @@ class Engine:
                     out[i] = self.decode(prepared, encoded[i], logits[pos:pos + n], act[pos:pos + n])
                     pos += n
             results.extend(out)  # type: ignore[arg-type]
+        _abstention.apply(results, threshold)
         return results
 
     def warmup(self, max_batch_tokens: int | None = None) -> float:
@@ -145,6 +151,20 @@ class Engine:
             for kind, status in session.publish().items():
                 log.info("cache %s: %s", kind, status)
         return time.perf_counter() - t
+
+
+def row_token_limit(bundle: Bundle, backend: Any) -> int:
+    """The most tokens one row may hold on `backend` (an object or its name): the eager forward reads any row
+    its RoPE covers (the encoder's max_position_embeddings), as upstream's eager path does with a `max_len`
+    above the checkpoint's; the other backends are built for the checkpoint's own `max_len`."""
+    name = backend if isinstance(backend, str) else backend.name
+    own = int(getattr(backend, "max_tokens_per_row", bundle.max_len) or bundle.max_len)
+    if name != "eager":
+        return own
+    positions = bundle.encoder_dict.get("max_position_embeddings", 8192)
+    if isinstance(positions, bool) or not isinstance(positions, int):
+        return own
+    return max(own, positions)
 
 
 def resolve_device(device: Any = None) -> torch.device:

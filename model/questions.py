@@ -172,8 +172,8 @@ def validate_question(qid: Any, qdef: Any) -> Question:
               and all(isinstance(i, int) and not isinstance(i, bool) for i in raw)
               and sorted(raw) == list(range(n)))
         if not ok:
-            raise _fail(qid, "'option_order' must be a permutation of range(%d), one slot per option, "
-                             "each option once; got %r" % (n, raw))
+            raise _fail(qid, "'option_order' must be a permutation of range(%d) -- one slot per option, "
+                             "each option once -- got %r" % (n, raw))
         order = tuple(int(i) for i in raw)
     return Question(qid=qid, qtype=qtype, instructions=ins, options=options, keys=keys,
                     order=order, legend=legend)

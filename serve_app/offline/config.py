@@ -7,13 +7,31 @@ Ray Data stage receives; `Job` is a checked job as the driver holds it.
 
 from __future__ import annotations
 
+import argparse
 import json
 from dataclasses import MISSING, dataclass, field
 from typing import Any
 
+from model import abstention
+
 
 def _csv(s: str) -> list[str]:
     return [c.strip() for c in s.split(",") if c.strip()]
+
+
+def parse_min_confidence(text: str) -> float | dict[str, float]:
+    """`--min-confidence`'s value: a number in [0, 1], or a JSON object of bucket -> number ("choice:3-5",
+    "noul:2", ..., "default"); argparse.ArgumentTypeError with upstream's text otherwise."""
+    text = text.strip()
+    try:
+        value = json.loads(text) if text.startswith("{") else float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError("expected a number in [0.0, 1.0] or a JSON object of bucket -> number, "
+                                         "got %r" % text) from None
+    try:
+        return abstention.check(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def option(default: Any = MISSING, doc: str = "", **cli: Any) -> Any:
@@ -47,6 +65,11 @@ class OfflineConfig:
     max_len: int | None = option(None, "token budget per row (default: the checkpoint's)", type=int)
     head_max_len: int | None = option(None, "tokens for question + options (default: the checkpoint's)", type=int)
     max_state_chars: int = option(50000, "longer states get an error value (0: no limit)", type=int)
+    min_confidence: float | dict[str, float] | None = option(
+        None, "abstention gate, as upstream laya's min_confidence: a number in [0, 1] or a JSON object of "
+        "option-count bucket -> number, e.g. '{\"choice:3-5\": 0.6, \"noul:2\": 0.8, \"default\": 0.5}'; adds "
+        "<qid>_abstention (passed | abstained | unevaluated), <qid>_abstention_threshold and <qid>_low_confidence "
+        "after the other columns (default: no gate, no such columns)", type=parse_min_confidence, metavar="P|JSON")
     max_files: int | None = option(None, "score at most this many pending input files, then stop", type=int)
     skip_bad_files: bool = option(False, "skip input files that cannot be read or lack a column or have one of "
                                   "the wrong type (reported in the summary; default: refuse the job)",
@@ -71,11 +94,17 @@ class JobSpec:
     max_len: int | None = None
     head_max_len: int | None = None
     max_state_chars: int = 50000        # 0 = no limit
+    min_confidence_json: str | None = None  # the validated abstention threshold as JSON; None: no gate
 
     @property
     def questions(self) -> dict:
         """The question mapping (id -> definition)."""
         return json.loads(self.questions_json)
+
+    @property
+    def min_confidence(self) -> float | dict[str, float] | None:
+        """The abstention threshold (a number or a bucket -> number map), or None for no gate."""
+        return None if self.min_confidence_json is None else json.loads(self.min_confidence_json)
 
 
 @dataclass

@@ -76,6 +76,16 @@ def prepare_questions(cfg: OfflineConfig, questions: dict):
         raise ConfigError(str(e)) from None
 
 
+def check_min_confidence(value) -> float | dict[str, float] | None:
+    """The job's abstention threshold in its checked form (None: no gate); ConfigError with upstream's text."""
+    from model import abstention
+
+    try:
+        return abstention.check_optional(value)
+    except ValueError as e:
+        raise ConfigError("--min-confidence: %s" % e) from None
+
+
 def prepare_job(cfg: OfflineConfig) -> Job:
     """Check questions, inputs and columns without reading any row; ConfigError on any problem."""
     from model.bundle import checkpoint_hash
@@ -94,21 +104,26 @@ def prepare_job(cfg: OfflineConfig) -> Job:
         if c in reserved or c.startswith("__"):
             raise ConfigError("column %r cannot be used: 'path', 'row_hash' and names starting with '__' are "
                               "reserved by the pipeline; rename it in the input" % c)
-    out_names = carry + [f.name for f in output_fields(prepared)]
+    threshold = check_min_confidence(cfg.min_confidence)
+    out_names = carry + [f.name for f in output_fields(prepared, threshold is not None)]
     dup = [n for n, k in Counter(out_names).items() if k > 1]
     if dup:
         raise ConfigError("output column names collide: %s (question ids make <qid>, <qid>_confidence, "
-                          "<qid>_answer_confidence, <qid>_probabilities; rename the question or column)" % dup)
+                          "<qid>_answer_confidence, <qid>_probabilities and, with --min-confidence, <qid>_abstention, "
+                          "<qid>_abstention_threshold, <qid>_low_confidence; rename the question or column)" % dup)
     fs, files = discover(cfg.input, exclude=os.path.abspath(os.path.expanduser(cfg.output)))
     files, bad = check_files(cfg, fs, files, carry)
     spec = JobSpec(checkpoint=os.path.abspath(cfg.checkpoint),
                    questions_json=json.dumps(questions, sort_keys=False, ensure_ascii=False),
                    state_column=cfg.state_column, carry_columns=tuple(carry), json_state=cfg.json_state,
-                   max_len=cfg.max_len, head_max_len=cfg.head_max_len, max_state_chars=cfg.max_state_chars)
+                   max_len=cfg.max_len, head_max_len=cfg.head_max_len, max_state_chars=cfg.max_state_chars,
+                   min_confidence_json=None if threshold is None else json.dumps(threshold, sort_keys=True))
     fingerprint = {"version": 1, "checkpoint_hash": checkpoint_hash(cfg.checkpoint), "questions": questions,
                    "state_column": cfg.state_column, "json_state": cfg.json_state, "id_column": cfg.id_column,
                    "passthrough": list(cfg.passthrough), "max_len": prepared.max_len,
                    "head_max_len": prepared.head_max_len, "max_state_chars": cfg.max_state_chars}
+    if threshold is not None:  # absent when ungated, so the outputs of an earlier ungated job stay reusable
+        fingerprint["min_confidence"] = threshold
     return Job(spec, prepared, fs, files, fingerprint, bad)
 
 

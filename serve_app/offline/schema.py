@@ -1,7 +1,8 @@
 """Columns of the offline pipeline: the names stages pass between them, the output schema, the stage protocol.
 
 Internal columns start with ``__`` and never reach the output files. The output schema (docs/offline.md,
-"Output schema") is the carried columns, four columns per question, then `input_tokens`, `truncated`, `error`.
+"Output schema") is the carried columns, four columns per question, then `input_tokens`, `truncated`, `error`,
+then, for a job with `--min-confidence`, three abstention columns per question.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ C_TOKENS, C_TRUNC, C_ERROR = "__tokens", "__truncated", "__error"
 C_LOGITS, C_ACT = "__logits", "__act"
 # Output columns besides the question columns.
 OUT_TOKENS, OUT_TRUNC, OUT_ERROR = "input_tokens", "truncated", "error"
+# The abstention columns of one question (a gated job only), after every other output column.
+GATE_SUFFIXES = ("_abstention", "_abstention_threshold", "_low_confidence")
+GATE_TYPES = (pa.string(), pa.float64(), pa.bool_())
 # Arrow types of a question's value column by `model.codec.column_kind`.
 KIND_TYPES = {"string": pa.string(), "bool": pa.bool_(), "int": pa.int64(), "float": pa.float64()}
 
@@ -62,15 +66,22 @@ def list_values(arr: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, np.ndarray
     return values[offsets[0]:offsets[-1]], offsets - offsets[0]
 
 
-def output_fields(prepared: Prepared) -> list[pa.Field]:
-    """The per-question output fields (`prepared.column_names`), then input_tokens, truncated and error."""
+def gate_fields(prepared: Prepared) -> list[pa.Field]:
+    """The abstention fields of a gated job: `<qid>_abstention`, `<qid>_abstention_threshold`,
+    `<qid>_low_confidence` for each question, in question order."""
+    return [pa.field(name + suffix, t) for name in prepared.names for suffix, t in zip(GATE_SUFFIXES, GATE_TYPES)]
+
+
+def output_fields(prepared: Prepared, gated: bool = False) -> list[pa.Field]:
+    """The per-question output fields (`prepared.column_names`), then input_tokens, truncated and error, then
+    when `gated` the abstention fields (`gate_fields`)."""
     fields = []
     for name, kind in zip(prepared.names, prepared.kinds):
         fields += [pa.field(name, KIND_TYPES[kind]), pa.field(name + "_confidence", pa.float64()),
                    pa.field(name + "_answer_confidence", pa.float64()),
                    pa.field(name + "_probabilities", pa.map_(pa.string(), pa.float64()))]
-    return fields + [pa.field(OUT_TOKENS, pa.int64()), pa.field(OUT_TRUNC, pa.bool_()),
-                     pa.field(OUT_ERROR, pa.string())]
+    fields += [pa.field(OUT_TOKENS, pa.int64()), pa.field(OUT_TRUNC, pa.bool_()), pa.field(OUT_ERROR, pa.string())]
+    return fields + (gate_fields(prepared) if gated else [])
 
 
 @lru_cache(maxsize=4)

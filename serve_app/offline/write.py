@@ -23,8 +23,10 @@ log = logging.getLogger("serve_app.offline")
 
 
 def output_schema(f: InputFile, job: Job) -> pa.Schema:
-    """The output schema for input `f`: carried columns with their input types, then the answers."""
-    return pa.schema([f.schema.field(c) for c in job.spec.carry_columns] + output_fields(job.prepared))
+    """The output schema for input `f`: carried columns with their input types, then the answers (with the
+    abstention columns of a gated job)."""
+    answers = output_fields(job.prepared, job.spec.min_confidence is not None)
+    return pa.schema([f.schema.field(c) for c in job.spec.carry_columns] + answers)
 
 
 def error_kind(msg: str) -> str:

@@ -45,8 +45,36 @@ def _has_lone_surrogate(value: Any) -> bool:
     return False
 
 
-def state_chars(state: Any) -> int:
-    """Characters of the text the model reads for `state` (JSON for dicts and lists)."""
+STATE_PROBE_VALUES = 64  # values of a state `_chars_over` looks at before leaving the measure to the serializer
+LONE_SURROGATE_DETAIL = "request body contains an unpaired surrogate escape; those cannot be encoded as UTF-8"
+
+
+def _chars_over(state: Any, cap: int) -> int:
+    """The summed length of the state's first string values when that already exceeds `cap` (a lower bound on
+    its JSON length, which upstream reports too), else 0; looks at `STATE_PROBE_VALUES` values at most."""
+    total, stack, budget = 0, [state], STATE_PROBE_VALUES
+    while stack and budget > 0:
+        budget -= 1
+        item = stack.pop()
+        if isinstance(item, str):
+            total += len(item)
+            if total > cap:
+                return total
+        elif type(item) is dict:
+            stack.extend(item.values())
+        elif type(item) is list:
+            stack.extend(item)
+        else:  # any other value ends the probe: the serializer measures the state
+            return 0
+    return 0
+
+
+def state_chars(state: Any, cap: int | None = None) -> int:
+    """Characters of the text the model reads for `state` (JSON for dicts and lists); with `cap`, a state whose
+    string values alone exceed it reports their length instead, as upstream does, without serializing it."""
+    over = _chars_over(state, cap) if cap is not None and not isinstance(state, str) else 0
+    if over:
+        return over
     try:
         return len(serialize_state(state))
     except (TypeError, ValueError):
@@ -90,7 +118,8 @@ def _check_texts(qid: Any, q: dict, limits: Limits) -> None:
 
 
 def check_questions(questions: Any, limits: Limits) -> None:
-    """400 if `questions` is not an object; 413 over the question, option and text limits."""
+    """400 if `questions` is not an object; 413 over the question, option and text limits; 422 for a score
+    question with a null level (upstream's check before any tokenizing)."""
     if not isinstance(questions, dict):
         raise HTTPError(400, "'questions' must be an object")
     if len(questions) > limits.max_questions:
@@ -110,6 +139,9 @@ def check_questions(questions: Any, limits: Limits) -> None:
             if len(crit) > limits.max_score_levels:
                 raise HTTPError(413, "too many score levels for %r (%d > %d)"
                                 % (qid, len(crit), limits.max_score_levels))
+            if None in crit:  # a hole in the rubric: a Jev client cannot parse a null legend entry
+                raise HTTPError(422, "score question %r has a null level at index %d; give every level a "
+                                     "description" % (qid, crit.index(None)))
     if total > limits.max_total_options:
         raise HTTPError(413, "too many answer options across questions (%d > %d)"
                         % (total, limits.max_total_options))
@@ -122,14 +154,35 @@ def check_state(state: Any, limits: Limits) -> int:
     """400 for a missing state, 413 over the character limit; returns the state's length."""
     if state is None:
         raise HTTPError(400, "'state' is required")
-    n = state_chars(state)
+    n = state_chars(state, limits.max_state_chars)
     if n > limits.max_state_chars:
         raise HTTPError(413, "state too large (%d > %d chars)" % (n, limits.max_state_chars))
     return n
 
 
+def check_request(state: Any, questions: Any, limits: Limits) -> None:
+    """The checks of one state's request in upstream's order: the state is there (400), the questions
+    (`check_questions`: 400 / 413 / 422), then the state's size (413)."""
+    if state is None:
+        raise HTTPError(400, "'state' is required")
+    check_questions(questions, limits)
+    check_state(state, limits)
+
+
+def check_batch(states: Any, questions: Any, limits: Limits) -> None:
+    """The checks of a batch in upstream's order: a non-empty list (400), at most `max_batch_states` (413), then
+    `check_request` of each state in turn."""
+    if not isinstance(states, list) or not states:
+        raise HTTPError(400, "'states' must be a non-empty list")
+    if len(states) > limits.max_batch_states:
+        raise HTTPError(413, "too many states in batch (%d > %d)" % (len(states), limits.max_batch_states))
+    for s in states:
+        check_request(s, questions, limits)
+
+
 def budget_args(body: dict) -> dict[str, int]:
-    """`max_len` / `head_max_len` from the body (integers only; range checked by the engine)."""
+    """`max_len` / `head_max_len` from the body (integers only; range checked by the engine). The routes read
+    them through `controls.parse_controls`, which checks them as upstream does."""
     out = {}
     for key in ("max_len", "head_max_len"):
         v = body.get(key)
@@ -190,7 +243,7 @@ async def read_json(request: Request, limits: Limits, run_cpu: Callable[..., Awa
     if declared:
         try:
             if int(declared) > cap:
-                raise HTTPError(413, "request body too large (limit %d bytes)" % cap)
+                raise HTTPError(413, "request body too large")
         except ValueError:
             raise HTTPError(400, "invalid Content-Length") from None
 
@@ -199,7 +252,7 @@ async def read_json(request: Request, limits: Limits, run_cpu: Callable[..., Awa
         async for chunk in request.stream():  # chunked or understated lengths are capped here too
             total += len(chunk)
             if total > cap:
-                raise HTTPError(413, "request body too large (limit %d bytes)" % cap)
+                raise HTTPError(413, "request body too large")
             chunks.append(chunk)
         return b"".join(chunks)
 
@@ -219,14 +272,11 @@ async def read_json(request: Request, limits: Limits, run_cpu: Callable[..., Awa
 
 
 def object_body(body: Any, required: tuple[str, ...]) -> dict:
-    """`body` when it is an object with every `required` key, a string or no `model`, and no unpaired
-    surrogate escape; HTTPError 400 otherwise."""
+    """`body` when it is an object with every `required` key and no unpaired surrogate escape; HTTPError 400
+    otherwise. `model` is not checked here: routing reads any value as upstream does (controls.py)."""
     if not isinstance(body, dict) or any(k not in body for k in required):
         raise HTTPError(400, "request body must be an object with %s"
                         % " and ".join("'%s'" % k for k in required))
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise HTTPError(400, "'model' must be a string")
     if _has_lone_surrogate(body):
-        raise HTTPError(400, "request body contains an unpaired surrogate escape")
+        raise HTTPError(400, LONE_SURROGATE_DETAIL)
     return body

@@ -91,35 +91,57 @@ State = Annotated[
                       "characters either way (413)" % _LIMITS.max_state_chars)]
 _QUESTIONS_DOC = ("question id -> question; at most %d questions (413); an invalid question is 422 naming it"
                   % _LIMITS.max_questions)
-_MODEL_DOC = "accepted for compatibility and ignored (one checkpoint per application)"
-_MAX_LEN_DOC = "token budget per row (default and maximum: the checkpoint's max_len; 422 beyond)"
-_HEAD_LEN_DOC = ("token budget of a question's head (default: the checkpoint's head_max_len; at most the "
-                 "checkpoint's max_len, 422 beyond)")
+_MODEL_DOC = ("the checkpoint to answer: a served name or alias (english, multilingual, typed-decisions, ...) or a "
+              "published repo id; a Jev id such as jev-1, the bundle id convaiinnovations/laya or null route "
+              "automatically; a path or an unpublished repo id is 422")
+_MAX_LEN_DOC = ("token budget per row (default: the checkpoint's max_len; at most 8192, the server's budget, 422 "
+                "beyond); above the checkpoint's own, an eager scorer reads longer rows as upstream does")
+_HEAD_LEN_DOC = "token budget of a question's head (default: the checkpoint's head_max_len; at most 8192, 422 beyond)"
+_TASK_DOC = "a typed-decisions workflow name: routes to the typed-decisions checkpoint; an unknown task is 422"
+_LANG_DOC = "the state's language code (e.g. \"de\"): decides the checkpoint; not a string is 422"
+_LANG_GUESS_DOC = "a soft language hint, checked after lang and before detection; not a string is 422"
+_MIN_CONF_DOC = ("abstention gate: a number in [0, 1], or an object of option-count bucket -> number (\"choice:2\", "
+                 "\"choice:3-5\", \"choice:6-10\", \"choice:11+\", the same for score and noul, and \"default\"); "
+                 "each answer gets abstention, abstention_threshold and, below it, low_confidence; 422 otherwise")
+Threshold = Annotated[float, Field(ge=0, le=1)]
 
 
-class SystemOneRequest(BaseModel):
-    """`POST /v1/systemone`: questions about one state (upstream Laya / Jev wire format)."""
+class _Controls(BaseModel):
+    """The body controls both routes take (upstream laya-serve's `BODY_CONTROLS`)."""
+
+    model: str | None = Field(None, description=_MODEL_DOC)
+    max_len: int | None = Field(None, ge=1, le=8192, description=_MAX_LEN_DOC)
+    head_max_len: int | None = Field(None, ge=1, le=8192, description=_HEAD_LEN_DOC)
+    task: str | None = Field(None, description=_TASK_DOC)
+    lang: str | None = Field(None, description=_LANG_DOC)
+    lang_guess: str | None = Field(None, description=_LANG_GUESS_DOC)
+    min_confidence: Threshold | dict[str, Threshold] | None = Field(None, description=_MIN_CONF_DOC)
+
+
+class SystemOneRequest(_Controls):
+    """`POST /v1/systemone`: questions about one state (upstream Laya / Jev wire format). The hook keys (hooks,
+    on_predict_start, on_predict_end, hooks_raise, hooks_timeout) run server-side code: refused (422) unless null."""
 
     model_config = ConfigDict(extra="allow", json_schema_extra={"examples": [_EXAMPLE]})
 
     state: State
     questions: dict[str, Question] = Field(max_length=_LIMITS.max_questions, description=_QUESTIONS_DOC)
-    model: str | None = Field(None, description=_MODEL_DOC)
-    max_len: int | None = Field(None, ge=1, description=_MAX_LEN_DOC)
-    head_max_len: int | None = Field(None, ge=1, description=_HEAD_LEN_DOC)
 
 
-class BatchRequest(BaseModel):
-    """`POST /v1/systemone/batch`: one question set about many states."""
+class BatchRequest(_Controls):
+    """`POST /v1/systemone/batch`: one question set about many states, one set of controls for all of them. The
+    hook keys and `diagnostics` (an in-process out-parameter) are refused (422) unless null."""
 
     model_config = ConfigDict(extra="allow", json_schema_extra={"examples": [_BATCH_EXAMPLE]})
 
     states: list[State] = Field(min_length=1, max_length=_LIMITS.max_batch_states,
                                 description="1..%d states (413 beyond), answered in order" % _LIMITS.max_batch_states)
     questions: dict[str, Question] = Field(max_length=_LIMITS.max_questions, description=_QUESTIONS_DOC)
-    model: str | None = Field(None, description=_MODEL_DOC)
-    max_len: int | None = Field(None, ge=1, description=_MAX_LEN_DOC)
-    head_max_len: int | None = Field(None, ge=1, description=_HEAD_LEN_DOC)
+    batch_size: int | None = Field(None, ge=1, description="upstream's states per forward pass: checked (a positive "
+                                   "integer, else 422) and accepted; answers do not depend on it here (the scorer "
+                                   "batches by tokens)")
+    sort_by_length: bool | None = Field(None, description="upstream's length sorting: checked (a boolean, else 422) "
+                                        "and accepted; answers keep input order either way")
 
 
 class Action(BaseModel):
@@ -130,15 +152,24 @@ class _Answer(BaseModel):
     confidence: float = Field(description="1 - normalised entropy of the probabilities (noul: max(p, 1 - p))")
     answer_confidence: float = Field(description="the probability of the answer given")
     action: Action
+    low_confidence: bool | None = Field(None, description="true when min_confidence was set and the answer "
+                                        "confidence fell below its threshold (absent otherwise)")
+    abstention: Literal["passed", "abstained", "unevaluated"] | None = Field(
+        None, description="the gate's verdict, on every answer of a request with min_confidence")
+    abstention_threshold: float | None = Field(None, description="the threshold this answer's bucket was gated at")
 
 
-class ChoiceAnswer(_Answer):
+class _JevConfidence(BaseModel):
+    x_jev_confidence: float | None = Field(None, description="the confidence Jev's formula gives these probabilities")
+
+
+class ChoiceAnswer(_Answer, _JevConfidence):
     type: Literal["choice"]
     choice: Any = Field(description="the label with the highest probability")
     probabilities: dict[str, float] = Field(description="label -> probability, rounded to 4 places")
 
 
-class ScoreAnswer(_Answer):
+class ScoreAnswer(_Answer, _JevConfidence):
     type: Literal["score"]
     score: float = Field(description="the expected level: sum of level x probability")
     legend: dict[str, str] = Field(description="level -> its text")
@@ -167,12 +198,23 @@ class Usage(BaseModel):
         None, description="questions whose options share a rendering (only when some do)")
 
 
+class Routing(BaseModel):
+    """Which checkpoint answered, and why (upstream's router decision)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str = Field(description="the served checkpoint name", examples=["english"])
+    repo: str | None = Field(description="its upstream repository id, when it has one")
+    reason: str = Field(examples=["explicit model='english'"])
+
+
 class SystemOneResponse(BaseModel):
-    """The upstream answer JSON (`Engine.predict`)."""
+    """The upstream answer JSON (`Engine.predict`, then `routing` and `x_jev_confidence`)."""
 
     model: str = Field(examples=["laya-rl-agent"])
     answers: dict[str, Annotated[ChoiceAnswer | ScoreAnswer | NoulAnswer, Field(discriminator="type")]]
     usage: Usage
+    routing: Routing | None = None
 
 
 class StateError(BaseModel):
@@ -188,7 +230,8 @@ class TotalUsage(BaseModel):
 
 
 class BatchResponse(BaseModel):
-    model: str = Field(examples=["laya-rl-agent"])
+    """Upstream's batch answer: exactly `results` and `total_usage`."""
+
     results: list[SystemOneResponse | StateError] = Field(
         description="one answer JSON per state, in order; a state the scorer failed on is a StateError")
     total_usage: TotalUsage
@@ -201,7 +244,16 @@ class ErrorResponse(BaseModel):
 
 
 class HealthResponse(BaseModel):
+    """Upstream laya-serve's `/health`: liveness for anyone; the other fields only for an authorized caller (or with
+    no key set), absent otherwise."""
+
     status: Literal["ok"]
+    loaded: list[str] = Field(None, description="served names of the checkpoints loaded (a running replica)")
+    revisions: dict[str, str | None] = Field(None, description="served name -> checkpoint revision")
+    device: str = Field(None, description="the device the checkpoints run on")
+    device_is_preference: bool = Field(None, description="whether `device` was asked for, not detected")
+    checkpoint_devices: dict[str, str] = Field(None, description="served name -> its device")
+    cpu_fallbacks: dict[str, dict] = Field(None, description="served name -> why it fell back to CPU")
 
 
 class ReadyResponse(BaseModel):
@@ -239,14 +291,19 @@ class StatsResponse(BaseModel):
 
 
 class CheckpointInfo(BaseModel):
-    name: str = Field(description="the checkpoint directory's name")
-    hash: str = Field(description="content hash of config, weights and tokenizer (model.bundle.checkpoint_hash)")
-    model: str = Field(description="the model name answers carry")
-    backend: str = Field(description="eager | compile | aot | fast")
-    dtype: str = Field(description="the precision the forward computes in", examples=["bfloat16", "float32"])
-    device: str
-    max_len: int = Field(description="tokens per row")
-    head_max_len: int = Field(description="tokens per question head")
+    """One served checkpoint; a checkpoint scaled to zero (no replica running) has only `served_as` and `loaded`
+    (the other fields are then absent)."""
+
+    served_as: str = Field(description="the name requests route to", examples=["english"])
+    loaded: bool | None = Field(description="whether a replica of its scorer runs now (None: unknown)")
+    name: str = Field(None, description="the checkpoint directory's name")
+    hash: str = Field(None, description="content hash of config, weights and tokenizer (model.bundle.checkpoint_hash)")
+    model: str = Field(None, description="the model name answers carry")
+    backend: str = Field(None, description="eager | compile | aot | fast")
+    dtype: str = Field(None, description="the precision the forward computes in", examples=["bfloat16", "float32"])
+    device: str = Field(None, description="the device its scorer runs on")
+    max_len: int = Field(None, description="tokens per row")
+    head_max_len: int = Field(None, description="tokens per question head")
 
 
 class BatchingInfo(BaseModel):
