@@ -126,9 +126,22 @@ def jsonify(obj: Any) -> Any:
     return json.loads(json.dumps(obj))
 
 
+def on_the_wire(result: dict, routing: dict) -> dict:
+    """What the service sends for an `Engine.predict` result routed by `routing` with no body controls: upstream's
+    answer JSON (`routing`, `x_jev_confidence`), after a JSON round trip."""
+    from serve_app.online.controls import finish_answer, parse_controls
+
+    return jsonify(finish_answer(result, parse_controls({}, batch=False), routing))
+
+
 def assert_same_result(got: dict, want: dict, atol: float = 2e-4) -> None:
-    """`got` (HTTP) equals `want` (Engine.predict): same structure and answers, floats within `atol`."""
+    """`got` (HTTP) equals `want` (Engine.predict): same structure and answers, floats within `atol`, apart
+    from what only the wire adds (`routing`, each answer's `x_jev_confidence`)."""
     want = jsonify(want)
+    got = {k: v for k, v in got.items() if k != "routing"}
+    if isinstance(got.get("answers"), dict):
+        got["answers"] = {q: {k: v for k, v in a.items() if k != "x_jev_confidence"}
+                          for q, a in got["answers"].items()}
     assert got.keys() == want.keys()
     assert got["model"] == want["model"] and got["usage"] == want["usage"]
     assert got["answers"].keys() == want["answers"].keys()
@@ -271,12 +284,16 @@ def serve_cluster():
 
 
 def app_config(checkpoint: str, port: int, **args: Any) -> dict:
-    """configs/local.yaml pointed at `checkpoint` and `port`, with `args` merged into the app's args."""
+    """configs/local.yaml pointed at `checkpoint` (the default checkpoint; the only one unless `args` name
+    `checkpoints`) and `port`, with `args` merged into the app's args."""
     cfg = load_config("local.yaml")
     cfg["http_options"]["port"] = port
     app = cfg["applications"][0]
     app["args"]["checkpoint"] = checkpoint
+    app["args"].pop("checkpoints", None)
     app["args"].update(args)
+    others = {"Scorer-" + n for n in app["args"].get("checkpoints", {})}
+    app["deployments"] = [d for d in app["deployments"] if not d["name"].startswith("Scorer-") or d["name"] in others]
     return cfg
 
 

@@ -117,7 +117,7 @@ def test_check_fails_on_a_stale_manifest(tmp_path, monkeypatch):
     monkeypatch.setattr(kuberay, "OUT_DIR", tmp_path)
     assert kuberay.main([]) == 0 and kuberay.main(["--check"]) == 0
     p = tmp_path / "rayservice.yaml"
-    p.write_text(p.read_text().replace("maxReplicas: 8", "maxReplicas: 9"))
+    p.write_text(p.read_text().replace("maxReplicas: 12", "maxReplicas: 13"))
     assert kuberay.main(["--check"]) == 1
     (tmp_path / "rayjob-offline.yaml").unlink()
     assert kuberay.main(["--check"]) == 1
@@ -214,8 +214,8 @@ def test_rayservice_pods_have_the_clusters_environment_gpus_and_mounts():
     assert "nvidia.com/gpu" not in head["resources"]["limits"]
     worker = _worker(doc)
     assert worker["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
-    # prod.yaml: 3 to 24 replicas at three per GPU
-    assert (worker["minReplicas"], worker["maxReplicas"]) == (1, 8)
+    # prod.yaml: the default checkpoint's 3 to 24 replicas and each other checkpoint's 0 to 6, three per GPU
+    assert (worker["minReplicas"], worker["maxReplicas"]) == (1, 12)
 
 
 def test_rayjob_runs_the_offline_cli_with_real_flags():

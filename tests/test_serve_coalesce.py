@@ -127,3 +127,54 @@ def test_a_short_result_list_is_an_error_not_a_misattributed_answer():
 def test_invalid_settings_are_refused():
     with pytest.raises(ValueError):
         CallCoalescer(Scorer().send, max_inflight=0)
+
+
+class _Slow:
+    """A handle method whose call never finishes (a scorer with no replica yet), cancellable like Serve's."""
+
+    def __init__(self):
+        self.cancelled = 0
+
+    def remote(self, groups):
+        slow = self
+
+        class Response:
+            def __await__(self):
+                return asyncio.sleep(3600).__await__()
+
+            def cancel(self):
+                slow.cancelled += 1
+
+        return Response()
+
+
+@pytest.mark.parametrize("warm, status", [(False, 503), (True, 504)])
+def test_a_call_past_the_deadline_is_503_while_the_checkpoint_is_cold_else_504(tiny_checkpoint, warm, status):
+    from serve_app.online import ray_compat
+    from serve_app.online.request_checks import HTTPError
+    from serve_app.online.schemas import Limits
+    from serve_app.online.served import ServedCheckpoint
+
+    class Handle:
+        def __init__(self):
+            self.score_many = _Slow()
+
+    async def is_warm():
+        return warm
+
+    handle = Handle()
+
+    async def go():
+        served = ServedCheckpoint("multilingual", tiny_checkpoint, handle, Limits(scorer_timeout_s=0.2),
+                                  ray_compat.errors(), is_warm=is_warm)
+        with pytest.raises(HTTPError) as e:
+            await served.score([[1, 2, 3]])
+        return e.value
+
+    err = asyncio.run(go())
+    assert err.status == status and handle.score_many.cancelled == 1
+    if warm:
+        assert err.detail == "scoring timed out" and not err.headers
+    else:
+        assert err.detail == "checkpoint 'multilingual' is starting, try again later"
+        assert err.headers == {"Retry-After": "5"}

@@ -42,16 +42,28 @@ def test_local_yaml_is_the_split_laptop_default():
         assert 0 < d["max_queued_requests"] and d["max_ongoing_requests"] >= 256
     assert ingress["backpressure_config"]["retry_after_s"] >= 1
     assert cfg["http_options"]["host"] == "127.0.0.1" and args.checkpoint == "checkpoints/tiny"
+    # two tiny checkpoints, so routing runs on a laptop; the second scales to zero when idle
+    assert args.served() == {"english": "checkpoints/tiny", "multilingual": "checkpoints/tiny-multilingual"}
+    ml = deployment(app, "Scorer-multilingual")
+    BatchingPolicy.model_validate(ml["user_config"])
+    assert ml["autoscaling_config"]["min_replicas"] == 0 and ml["autoscaling_config"]["initial_replicas"] == 1
     assert args.topology == "split" and not args.haproxy
     assert args.scorer.num_gpus == 0 and args.device == "cpu" and args.api_key_env is None
-    assert args.scorer.num_cpus + args.ingress.num_cpus <= 2  # schedules on a 2-core laptop
+    assert 2 * args.scorer.num_cpus + args.ingress.num_cpus <= 2  # schedules on a 2-core laptop
 
 
 def test_prod_yaml_is_fused_three_per_gpu_behind_haproxy_with_bounded_admission():
     cfg = load_config("prod.yaml")
     app, args = _check_common(cfg)
-    (ingress,) = app["deployments"]
+    ingress, *scorers = app["deployments"]
     assert ingress["name"] == "Ingress" and args.topology == "fused" and args.haproxy
+    # upstream's three checkpoints: the default warm in the fused replicas, the other two scaled to zero when idle
+    assert list(args.served()) == ["english", "multilingual", "typed-decisions"]
+    assert [d["name"] for d in scorers] == ["Scorer-multilingual", "Scorer-typed-decisions"]
+    for d in scorers:
+        BatchingPolicy.model_validate(d["user_config"])
+        assert d["autoscaling_config"]["min_replicas"] == 0 < d["autoscaling_config"]["max_replicas"]
+        assert d["autoscaling_config"]["policy"] == ingress["autoscaling_config"]["policy"]
     BatchingPolicy.model_validate(ingress["user_config"])
     per_gpu = round(1 / args.scorer.num_gpus)
     assert per_gpu == 3 and per_gpu * args.scorer.num_gpus <= 1.0  # three replicas fit on each GPU
@@ -162,8 +174,9 @@ def test_fused_config_keeps_the_scorer_settings_on_the_one_deployment(name):
     ServeDeploySchema.model_validate(fused)
     (app,) = fused["applications"]
     assert AppArgs.model_validate(app["args"]).topology == "fused"
-    (only,) = app["deployments"]
+    only, *others = app["deployments"]  # the other checkpoints' scorers stay as they were
     assert only["name"] == "Ingress"
+    assert others == [d for d in load()["applications"][0]["deployments"] if d["name"].startswith("Scorer-")]
     for key in ("user_config", "max_ongoing_requests", "max_queued_requests", "autoscaling_config",
                 "health_check_timeout_s", "graceful_shutdown_timeout_s"):
         assert only.get(key) == scorer.get(key), key
@@ -175,7 +188,7 @@ def test_fused_config_keeps_the_scorer_settings_on_the_one_deployment(name):
     deployment(app, "Ingress").pop("num_replicas", None)
     deployment(app, "Scorer").pop("autoscaling_config")
     deployment(app, "Scorer")["num_replicas"] = 2
-    (only,) = fused_config(cfg)["applications"][0]["deployments"]
+    only = fused_config(cfg)["applications"][0]["deployments"][0]
     assert only["num_replicas"] == 2 and "autoscaling_config" not in only
 
 
@@ -196,15 +209,15 @@ def test_fused_config_shares_each_gpu_between_replicas():
     (app,) = cfg["applications"]
     args = AppArgs.model_validate(app["args"])
     assert args.scorer.num_gpus == 0.5 and args.scorer.num_cpus == 2 and args.scorer.gil_switch_interval_s == 0.0001
-    (only,) = app["deployments"]
+    only = app["deployments"][0]
     scorer_auto = deployment(_split_gpu_config()["applications"][0], "Scorer")["autoscaling_config"]
     assert only["autoscaling_config"]["min_replicas"] == 2 * scorer_auto["min_replicas"]
     assert only["autoscaling_config"]["max_replicas"] == 2 * scorer_auto["max_replicas"]
     assert app["runtime_env"]["env_vars"]["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1"
     local = load_config("local.yaml")
     deployment(local["applications"][0], "Scorer")["num_replicas"] = 1
-    (only,) = fused_config(local, replicas_per_gpu=3)["applications"][0]["deployments"]
-    assert only["num_replicas"] == 3
+    only, ml = fused_config(local, replicas_per_gpu=3)["applications"][0]["deployments"]
+    assert only["num_replicas"] == 3 and ml["autoscaling_config"]["max_replicas"] == 3
     for bad in (0, 1.5, -1):
         with pytest.raises(ValueError, match="replicas_per_gpu"):
             fused_config(_split_gpu_config(), replicas_per_gpu=bad)
@@ -234,3 +247,71 @@ def test_fused_command_refuses_zero_replicas_per_gpu(capsys):
     with pytest.raises(SystemExit) as e:
         main(["fused", local, "--replicas-per-gpu", "0"])
     assert e.value.code == 2 and "replicas_per_gpu must be a whole number" in capsys.readouterr().err
+
+
+def test_args_name_several_checkpoints_and_the_single_form_keeps_its_meaning():
+    single = AppArgs.model_validate({"checkpoint": "ckpt/a"})
+    assert single.served() == {"english": "ckpt/a"}
+    named = AppArgs.model_validate({"checkpoint": "ckpt/a", "default_checkpoint": "Typed-Decisions",
+                                    "checkpoints": {"multilingual": "ckpt/b", "Papers": "ckpt/c"}})
+    assert named.served() == {"typed-decisions": "ckpt/a", "multilingual": "ckpt/b", "papers": "ckpt/c"}
+    # the default may be named among the others instead of by `checkpoint`
+    only = AppArgs.model_validate({"checkpoints": {"english": "ckpt/a", "multilingual": "ckpt/b"}})
+    assert list(only.served()) == ["english", "multilingual"]
+    for bad in ({"checkpoints": {"multilingual": "ckpt/b"}},  # no directory for the default
+                {"checkpoint": "ckpt/a", "checkpoints": {"english": "ckpt/z"}},  # two for the default
+                {"checkpoint": "ckpt/a", "checkpoints": {"a/b": "ckpt/b"}},  # a path is not a name
+                {"checkpoint": "ckpt/a", "checkpoints": {"Papers": "ckpt/b", "papers": "ckpt/c"}},
+                {"checkpoint": "ckpt/a", "checkpoints": {"papers": ""}}):
+        with pytest.raises(ValidationError):
+            AppArgs.model_validate(bad)
+
+
+def test_builder_gives_each_checkpoint_a_scorer_deployment_and_fused_replicas_hold_the_default():
+    from serve_app.online.checkpoints import deployment_name
+
+    assert deployment_name("english", "english") == "Scorer"
+    assert deployment_name("typed-decisions", "english") == "Scorer-typed-decisions"
+    args = {"checkpoint": "/nonexistent/en", "checkpoints": {"multilingual": "/nonexistent/ml"},
+            "scorer": {"num_gpus": 0.5}}
+    for topology in ("split", "fused"):
+        ingress = build_app(dict(args, topology=topology))._bound_deployment
+        kw = ingress.init_kwargs
+        assert kw["default"] == "english" and list(kw["others"]) == ["multilingual"]
+        assert kw["others"]["multilingual"]["checkpoint"] == "/nonexistent/ml" and kw["device_preference"] == "cuda"
+        ml = kw["others"]["multilingual"]["scorer"]._bound_deployment
+        assert ml.name == "Scorer-multilingual" and ml.init_kwargs["checkpoint"] == "/nonexistent/ml"
+        assert ml.ray_actor_options["num_gpus"] == 0.5
+    assert ingress.init_args[1] == "/nonexistent/en"  # the fused replica's own scorer: the default's
+    assert build_app(args)._bound_deployment.init_args[0]._bound_deployment.name == "Scorer"
+
+
+def test_laya_api_key_requires_a_bearer_unless_api_key_env_names_another_variable(monkeypatch):
+    from starlette.requests import Request
+
+    from serve_app.online.auth import BearerAuth
+
+    def req(value: str | None) -> Request:
+        headers = [] if value is None else [(b"authorization", value.encode("utf-8"))]
+        return Request({"type": "http", "headers": headers})
+
+    monkeypatch.delenv("LAYA_API_KEY", raising=False)
+    assert not BearerAuth(None) and BearerAuth(None).authorized(req(None))
+    monkeypatch.setenv("LAYA_API_KEY", "")  # empty: upstream reads it as unset
+    assert not BearerAuth(None)
+    monkeypatch.setenv("LAYA_API_KEY", "up-key")
+    auth = BearerAuth(None)
+    assert auth.source == "LAYA_API_KEY" and auth.authorized(req("Bearer up-key"))
+    assert not auth.authorized(req(None)) and not auth.authorized(req("Bearer other"))
+    monkeypatch.setenv("OUR_KEY", "our-key")  # api_key_env wins over LAYA_API_KEY
+    ours = BearerAuth("OUR_KEY")
+    assert ours.source == "OUR_KEY" and ours.authorized(req("Bearer our-key")) and not ours.authorized(
+        req("Bearer up-key"))
+    with pytest.raises(RuntimeError, match="MISSING_KEY"):
+        BearerAuth("MISSING_KEY")
+    # a non-ASCII key: as UTF-8 bytes, or as upstream's client (urllib) writes it, latin-1
+    monkeypatch.setenv("LAYA_API_KEY", "k\u00e9y")
+    auth = BearerAuth(None)
+    for raw in ("Bearer k\u00e9y".encode("utf-8"), "Bearer k\u00e9y".encode("latin-1")):
+        assert auth.authorized(Request({"type": "http", "headers": [(b"authorization", raw)]}))
+    assert not auth.authorized(Request({"type": "http", "headers": [(b"authorization", b"Bearer key")]}))

@@ -152,7 +152,7 @@ def test_batch_poison_state_fails_alone_with_an_error_entry(app, engine):
                    timeout=60)
     assert r.status_code == 200, r.text
     body = r.json()
-    assert body["results"][1] == {"model": body["model"], "error": "inference failed"}
+    assert body["results"][1] == {"model": body["results"][0]["model"], "error": "inference failed"}
     no_leak(json.dumps(body["results"][1]))
     want = [engine.predict(s, QUESTIONS) for s in (states[0], states[2])]
     for got, w in zip((body["results"][0], body["results"][2]), want):
@@ -215,7 +215,7 @@ def test_fused_batch_poison_state_fails_alone_and_head_answers(fused, engine):
                    timeout=60)
     assert r.status_code == 200, r.text
     body = r.json()
-    assert body["results"][0] == {"model": body["model"], "error": "inference failed"}
+    assert body["results"][0] == {"model": body["results"][1]["model"], "error": "inference failed"}
     assert_same_result(body["results"][1], engine.predict(states[1], QUESTIONS))
     head = httpx.head(fused.url + "/info", headers=AUTH, timeout=30)
     assert head.status_code == 200 and head.content == b""

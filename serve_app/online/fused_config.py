@@ -9,17 +9,18 @@ replica count; `main` is the command line that prints the result with a header s
 def fused_config(config: dict, app_name: str | None = None, replicas_per_gpu: int = 1,
                  gil_switch_interval_s: float | None = None, direct_ingress: bool = False) -> dict:
     """A Serve config (as `serve run` reads it) turned to `topology: fused`, in place: the app's args get
-    `topology: fused`, its `Scorer` deployment entry goes, and that entry's `user_config`, request limits,
-    health check period and replica count (`num_replicas` or `autoscaling_config`, replacing the ingress's own)
-    move to the `Ingress` entry (now the only deployment, one replica per GPU), with its health check timeout
-    and graceful shutdown (a replica now drains a batcher). Returns `config`; ValueError
-    for anything that is not a Serve config with an applications list.
+    `topology: fused`, its `Scorer` deployment entry (the default checkpoint's) goes, and that entry's
+    `user_config`, request limits, health check period and replica count (`num_replicas` or
+    `autoscaling_config`, replacing the ingress's own) move to the `Ingress` entry (one replica per GPU), with
+    its health check timeout and graceful shutdown (a replica now drains a batcher); the other checkpoints'
+    `Scorer-<name>` entries stay. Returns `config`; ValueError for anything that is not a Serve config with an
+    applications list.
 
-    `replicas_per_gpu` > 1 shares each GPU between that many fused replicas: the scorer's `num_gpus` and
-    `num_cpus` are divided by it and the replica counts multiplied (one process's HTTP handling and batching
-    is what limits a fused replica: BENCHMARKS.md, "HTTP serving"). `gil_switch_interval_s` sets the scorer's
-    `gil_switch_interval_s` (a fused replica's event loop is always busy, and the forward thread waits for the
-    GIL after every device wait); `direct_ingress` sets RAY_SERVE_ENABLE_DIRECT_INGRESS=1 in the app's
+    `replicas_per_gpu` > 1 shares each GPU between that many replicas: the scorer's `num_gpus` and `num_cpus`
+    are divided by it and every deployment's replica counts multiplied (one process's HTTP handling and
+    batching is what limits a fused replica: BENCHMARKS.md, "HTTP serving"). `gil_switch_interval_s` sets the
+    scorer's `gil_switch_interval_s` (a fused replica's event loop is always busy, and the forward thread waits
+    for the GIL after every device wait); `direct_ingress` sets RAY_SERVE_ENABLE_DIRECT_INGRESS=1 in the app's
     runtime_env (the fused replicas then serve HTTP themselves, which is where its latency comes from)."""
     apps = config.get("applications") if isinstance(config, dict) else None
     if not isinstance(apps, list) or not all(isinstance(a, dict) for a in apps):
@@ -51,19 +52,25 @@ def fused_config(config: dict, app_name: str | None = None, replicas_per_gpu: in
         if k > 1:
             sc["num_gpus"] = sc.get("num_gpus", 0) / k
             sc["num_cpus"] = sc.get("num_cpus", 1) / k
-            if isinstance(ingress.get("num_replicas"), int):
-                ingress["num_replicas"] *= k
-            auto = ingress.get("autoscaling_config")
-            if isinstance(auto, dict):
-                ingress["autoscaling_config"] = auto = dict(auto)
-                for key in ("min_replicas", "max_replicas", "initial_replicas"):
-                    if isinstance(auto.get(key), int):
-                        auto[key] *= k
+            for d in app["deployments"]:  # the Ingress and the other checkpoints' scorers share the resources
+                _multiply_replicas(d, k)
         if gil_switch_interval_s is not None:
             sc["gil_switch_interval_s"] = gil_switch_interval_s
         if direct_ingress:
             app.setdefault("runtime_env", {}).setdefault("env_vars", {})["RAY_SERVE_ENABLE_DIRECT_INGRESS"] = "1"
     return config
+
+
+def _multiply_replicas(d: dict, k: int) -> None:
+    """A deployment entry's replica counts (fixed or autoscaled), times `k`, in place."""
+    if isinstance(d.get("num_replicas"), int):
+        d["num_replicas"] *= k
+    auto = d.get("autoscaling_config")
+    if isinstance(auto, dict):
+        d["autoscaling_config"] = auto = dict(auto)
+        for key in ("min_replicas", "max_replicas", "initial_replicas"):
+            if isinstance(auto.get(key), int):
+                auto[key] *= k
 
 
 def fused_header(src: str, command: str, replicas_per_gpu: int, direct_ingress: bool) -> str:

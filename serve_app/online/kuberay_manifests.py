@@ -117,10 +117,12 @@ def rayservice(prod_text: str) -> dict:
     env = app["runtime_env"]["env_vars"]
     mounts = {"cache": (CACHE_PVC, env["LAYA_FLEET_CACHE_DIR"], False),
               "checkpoints": (CHECKPOINTS_PVC, posixpath.dirname(app["args"]["checkpoint"]), True)}
-    # Enough GPU pods for the replicas autoscaling may ask for (num_gpus of a GPU each)
-    auto = app["deployments"][0]["autoscaling_config"]
+    # Enough GPU pods for the replicas autoscaling may ask for, over every checkpoint's deployment (num_gpus of
+    # a GPU each); at least the warm ones' floor
+    autos = [d["autoscaling_config"] for d in app["deployments"] if "autoscaling_config" in d]
     gpus = app["args"]["scorer"]["num_gpus"]
-    least, most = math.ceil(auto["min_replicas"] * gpus), math.ceil(auto["max_replicas"] * gpus)
+    least = math.ceil(sum(a["min_replicas"] for a in autos) * gpus)
+    most = math.ceil(sum(a["max_replicas"] for a in autos) * gpus)
     workers = {"replicas": least, "minReplicas": least, "maxReplicas": most}
     return {
         "apiVersion": "ray.io/v1", "kind": "RayService",

@@ -22,7 +22,7 @@ from ray import serve
 from model.sequence import Row
 
 from ..scorer import MIN_BUDGET, Scorer, is_oom, select_device
-from . import metrics
+from . import metrics, ray_compat
 from .batch_queue import BatchRecord, TokenBatcher
 
 log = logging.getLogger(__name__)
@@ -83,6 +83,7 @@ class ScorerDeployment:
                  warmup: bool = True, torch_threads: int | None = None, backend_wrapper: str | None = None,
                  gil_switch_interval_s: float | None = None,
                  batching: dict | None = None):
+        ray_compat.loopback_replica_grpc()  # before Serve starts this replica's gRPC server (a loopback Ray)
         t0 = time.perf_counter()
         if gil_switch_interval_s:
             import sys
