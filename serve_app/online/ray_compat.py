@@ -6,6 +6,7 @@ Private modules (`ray.serve._private.constants`: how Serve runs the request path
 move in any Ray release. `check()` runs in the app builder and in each ingress replica's constructor: a Ray
 without one of them fails there with a `RuntimeError` naming what is missing, the Ray found and the Ray
 laya-fleet is tested with, instead of on the first request or the first autoscaling decision.
+`loopback_replica_grpc()` keeps a local Ray's replicas off every interface but loopback.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ REQUIRED: dict[str, tuple[str, ...]] = {
                       "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP", "RAY_SERVE_ENABLE_DIRECT_INGRESS"),
     "ray.serve.exceptions": ("BackPressureError", "DeploymentUnavailableError", "RequestCancelledError"),
     "ray.exceptions": ("ActorDiedError", "ActorUnavailableError", "RayActorError", "RayTaskError"),
+    "ray.serve._private.replica": ("add_port_to_grpc_server",),
     "ray.serve.config": ("AutoscalingContext(current_num_replicas)", "AutoscalingContext(target_num_replicas)",
                          "AutoscalingContext(config)", "AutoscalingContext.aggregated_metrics",
                          "AutoscalingContext.total_num_requests", "AutoscalingConfig.get_target_ongoing_requests"),
@@ -81,6 +83,27 @@ def check() -> None:
         require(module)
 
 
+def loopback_replica_grpc() -> bool:
+    """On a node whose Ray address is loopback (`make serve`'s local Ray), make this replica's inter-deployment
+    gRPC server bind 127.0.0.1 instead of Serve's fixed `[::]:0`; returns whether it does. Called in a replica's
+    constructor, before Serve starts that server; elsewhere it changes nothing."""
+    import ray
+
+    if not ray.is_initialized() or not ray.util.get_node_ip_address().startswith("127."):
+        return False
+    replica = require("ray.serve._private.replica", REQUIRED["ray.serve._private.replica"])
+    bind = replica.add_port_to_grpc_server
+    if getattr(bind, "loopback", False):
+        return True
+
+    def add_port_to_grpc_server(server, address: str):
+        return bind(server, "127.0.0.1:" + address[len("[::]:"):] if address.startswith("[::]:") else address)
+
+    add_port_to_grpc_server.loopback = True
+    replica.add_port_to_grpc_server = add_port_to_grpc_server
+    return True
+
+
 def serve_constants() -> ModuleType:
     """`ray.serve._private.constants`, checked (Serve's request-path settings as this process's env set them)."""
     return require(SERVE_CONSTANTS)
@@ -92,4 +115,5 @@ def errors() -> SimpleNamespace:
                               for n in REQUIRED[m]})
 
 
-__all__ = ["TESTED_RAY", "REQUIRED", "ray_version", "require", "check", "serve_constants", "errors"]
+__all__ = ["TESTED_RAY", "REQUIRED", "ray_version", "require", "check", "loopback_replica_grpc", "serve_constants",
+           "errors"]
