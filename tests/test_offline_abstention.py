@@ -59,17 +59,21 @@ BAD_VALUES = [("1.5", "min_confidence must be a float in [0.0, 1.0], got 1.5"), 
 
 
 @pytest.mark.parametrize("value,needle", BAD_VALUES, ids=[v for v, _ in BAD_VALUES])
-def test_a_bad_min_confidence_exits_2_before_anything_runs(tmp_path, capsys, tiny_checkpoint, value, needle):
+def test_a_bad_min_confidence_exits_2_before_anything_runs(tmp_path, capsys, tiny_checkpoint, value, needle,
+                                                          monkeypatch):
     """Refused by the flag's parser with upstream's text: no input is read (it does not exist), no Ray starts."""
-    import ray
+    from serve_app.offline import driver
 
+    inits = []  # the driver attaching to or starting Ray (a session-wide Ray of other modules may be up)
+    real_init = driver.init_ray
+    monkeypatch.setattr(driver, "init_ray", lambda *a, **k: inits.append(a) or real_init(*a, **k))
     qf = write_questions(tmp_path, QUESTIONS)
     with pytest.raises(SystemExit) as exit_:
         _cli(tmp_path, qf, tiny_checkpoint, "--min-confidence", value)
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert "argument --min-confidence" in err and needle in err and "Traceback" not in err
-    assert not (tmp_path / "out").exists() and not ray.is_initialized()
+    assert not (tmp_path / "out").exists() and inits == []
 
 
 @pytest.mark.parametrize("value", [2, -0.5, True, "0.5", {"choice:9": 0.1}, {"default": None}])
