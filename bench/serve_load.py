@@ -250,6 +250,8 @@ def fleet_config(checkpoint: str, backend: str, device: str, port: int, replicas
     app = cfg["applications"][0]
     args = app["args"]
     args.update(checkpoint=os.path.abspath(checkpoint), backend=backend, device=device)
+    args.pop("checkpoints", None)  # one checkpoint: its Scorer alone
+    app["deployments"] = [d for d in app["deployments"] if not d["name"].startswith("Scorer-")]
     if gpus:
         args["scorer"] = {"num_gpus": 1, "num_cpus": 2}
         args["ingress"] = {"num_cpus": 1, "cpu_threads": 2}
@@ -265,11 +267,12 @@ def fleet_config(checkpoint: str, backend: str, device: str, port: int, replicas
 
 def shipped_config(path: str, checkpoint: str, backend: str, device: str, port: int, scratch: str,
                    replicas_per_gpu: int | None = None) -> tuple[dict, dict]:
-    """A config file as shipped (configs/prod.yaml), with only what must change on this machine: the checkpoint,
-    backend and device, a free loopback port, the cache dirs under `scratch` (the node-local one from
-    $LAYA_FLEET_LOCAL_CACHE_DIR when set: a precompiled kernel cache), and a random bearer key in the variable its
-    `api_key_env` names. `replicas_per_gpu` makes a variant that is not the file as shipped: a fused config's
-    replica count per GPU (num_gpus 1/K, replica bounds K per GPU). Returns (config, extra env for `serve run`)."""
+    """A config file as shipped (configs/prod.yaml), with only what must change on this machine: the checkpoint
+    of every served name, backend and device, a free loopback port, the cache dirs under `scratch` (the node-local
+    one from $LAYA_FLEET_LOCAL_CACHE_DIR when set: a precompiled kernel cache), and a random bearer key in the
+    variable its `api_key_env` names. `replicas_per_gpu` makes a variant that is not the file as shipped: a fused
+    config's replica count per GPU (num_gpus 1/K, replica bounds K per GPU). Returns (config, extra env for
+    `serve run`)."""
     import secrets
 
     with open(path, encoding="utf-8") as fh:
@@ -279,6 +282,8 @@ def shipped_config(path: str, checkpoint: str, backend: str, device: str, port: 
     for app in cfg["applications"]:
         args = app.setdefault("args", {})
         args.update(checkpoint=os.path.abspath(checkpoint), backend=backend, device=device)
+        # every other served name (scaled to zero as shipped) on the one checkpoint this machine has
+        args["checkpoints"] = {name: os.path.abspath(checkpoint) for name in args.get("checkpoints") or {}}
         vars_ = app.setdefault("runtime_env", {}).setdefault("env_vars", {})
         for k in ("LAYA_FLEET_CACHE_DIR", "LAYA_FLEET_LOCAL_CACHE_DIR"):
             if k in vars_:

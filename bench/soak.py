@@ -176,7 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     samples: list[dict] = []
     log_path = os.path.join(tempfile.gettempdir(), "laya-fleet-bench", os.path.basename(base) + ".serve.log")
     os.makedirs(os.path.dirname(log_path), exist_ok=True)
-    with FleetServer(args.config, log_path, haproxy=args.path == "haproxy") as srv:
+    # the local Ray as `make serve` starts it: node address 127.0.0.1, every port on loopback
+    with FleetServer(args.config, log_path, haproxy=args.path == "haproxy",
+                     extra_env={"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}) as srv:
         pids = serve_processes(app["name"], srv.proc.pid)
         print("serve run %s ready in %.1fs at %s; processes %s" % (args.config, srv.ready_s, srv.url, pids))
         print("%7s %8s %8s %9s %9s %7s  %s" % ("t (s)", "requests", "req/s", "p50 ms", "p99 ms", "failed", "RSS MiB"))

@@ -1,0 +1,48 @@
+"""bench/serve_load.py's configs: the shipped file with only the machine's paths changed, and the local-topology
+rows' config, each accepted by the app builder's typed arguments with every checkpoint it names on disk, and the
+shipped file's deployments and limits untouched."""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+
+import yaml
+
+from serve_app.online.app import AppArgs
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "bench"))
+
+import serve_load  # noqa: E402
+
+
+def _dirs(args: dict) -> list[str]:
+    return [args["checkpoint"], *(args.get("checkpoints") or {}).values()]
+
+
+def test_the_shipped_prod_config_keeps_every_served_name_on_the_machines_checkpoint(tiny_checkpoint, tmp_path):
+    path = os.path.join(REPO, "configs", "prod.yaml")
+    with open(path, encoding="utf-8") as fh:
+        shipped = yaml.safe_load(fh)
+    cfg, env = serve_load.shipped_config(path, tiny_checkpoint, "auto", "auto", 18123, str(tmp_path))
+    app, orig = cfg["applications"][0], shipped["applications"][0]
+    args = AppArgs.model_validate(app["args"])
+    assert set(args.checkpoints) == set(orig["args"]["checkpoints"]) and len(args.checkpoints) >= 2
+    assert all(os.path.isdir(d) for d in _dirs(app["args"]))
+    assert app["deployments"] == orig["deployments"]  # autoscaling, limits, user_config: as shipped
+    keep = copy.deepcopy(orig["args"])
+    for k in ("checkpoint", "checkpoints", "backend", "device"):
+        keep.pop(k), app["args"].pop(k)
+    assert app["args"] == keep
+    assert set(env) == {orig["args"]["api_key_env"]}
+
+
+def test_the_local_rows_config_serves_one_checkpoint(tiny_checkpoint):
+    cfg = serve_load.fleet_config(tiny_checkpoint, "eager", "cpu", 18124, replicas=2, ingress_replicas=1,
+                                  max_batch_tokens=None, gpus=0)
+    app = cfg["applications"][0]
+    AppArgs.model_validate(app["args"])
+    assert not app["args"].get("checkpoints") and [d["name"] for d in app["deployments"]] == ["Ingress", "Scorer"]
+    assert _dirs(app["args"]) == [os.path.abspath(tiny_checkpoint)]
