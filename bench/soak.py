@@ -26,23 +26,47 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from serve_load import REPO, FleetServer, environment, make_payloads, summarize  # noqa: E402
 
-ROLES = {"Scorer": "ServeReplica:{app}:Scorer", "Ingress": "ServeReplica:{app}:Ingress", "Proxy": "ProxyActor",
-         "Controller": "ServeController", "HAProxyManager": "HAProxyManager"}
+ROLES = {"Proxy": "ProxyActor", "Controller": "ServeController", "HAProxyManager": "HAProxyManager"}
+# one in every MULTILINGUAL_EVERY requests is non-English, so the multilingual checkpoint's scorer serves too
+MULTILINGUAL_EVERY = 8
+MULTILINGUAL_STATES = ["Meine Bestellung ist kaputt angekommen, ich möchte mein Geld zurück.",
+                       "Мой заказ пришёл сломанным, верните деньги.",
+                       "注文した商品が壊れて届きました。返金してください。",
+                       "Mi pedido llegó roto y quiero que me devuelvan el dinero hoy.",
+                       "طلبي وصل مكسورا وأريد استرداد أموالي."]
 
 
 def serve_processes(app: str, root_pid: int) -> dict[str, list[int]]:
-    """PIDs of the Serve processes under `root_pid` (our `serve run`) by role, from Ray's process titles."""
+    """PIDs of the Serve processes under `root_pid` (our `serve run`) by role, from Ray's process titles: each
+    replica under its deployment's name (`Scorer`, `Scorer-multilingual`, `Ingress`), then ROLES."""
     import psutil
 
-    out: dict[str, list[int]] = {k: [] for k in ROLES}
+    out: dict[str, list[int]] = {}
+    replica = "ray::ServeReplica:%s:" % app
     for p in psutil.Process(root_pid).children(recursive=True):
         try:
             cmd = " ".join(p.cmdline())
         except psutil.Error:
             continue
+        if cmd.startswith(replica):
+            out.setdefault(cmd[len(replica):].split()[0], []).append(p.pid)
         for role, title in ROLES.items():
-            if cmd.startswith("ray::" + title.format(app=app)):
-                out[role].append(p.pid)
+            if cmd.startswith("ray::" + title):
+                out.setdefault(role, []).append(p.pid)
+    return out
+
+
+def restarted(start: dict[str, list[int]], end: dict[str, list[int]]) -> dict[str, list[int]]:
+    """{role: pids at the end that were not there at the start}: a replica replaced (a crash, a failed health
+    check) or added; a role whose processes all left (scaled to zero as configured) is not in it."""
+    return {role: new for role, ps in end.items() if (new := sorted(set(ps) - set(start.get(role, ()))))}
+
+
+def soak_payloads(n: int, seed: int) -> list[dict]:
+    """serve_load's customer messages, every MULTILINGUAL_EVERY-th one a non-English state instead."""
+    out = make_payloads(n, seed=seed)
+    for i in range(0, n, MULTILINGUAL_EVERY):
+        out[i] = dict(out[i], state=MULTILINGUAL_STATES[(i // MULTILINGUAL_EVERY) % len(MULTILINGUAL_STATES)])
     return out
 
 
@@ -172,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         make_checkpoint(os.path.join(REPO, ckpt), "tiny", seed=0)
     base = os.path.splitext(args.out)[0]
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    payloads = make_payloads(1024, seed=1)
+    payloads = soak_payloads(1024, seed=1)
     samples: list[dict] = []
     log_path = os.path.join(tempfile.gettempdir(), "laya-fleet-bench", os.path.basename(base) + ".serve.log")
     os.makedirs(os.path.dirname(log_path), exist_ok=True)
@@ -197,11 +221,12 @@ def main(argv: list[str] | None = None) -> int:
         pids_end = serve_processes(app["name"], srv.proc.pid)
     flat = flatness(samples, args.settle, args.rss_tol_mib)
     failed = total["requests"] - total["ok"]
-    passed = failed == 0 and all(v["flat"] for v in flat.values()) and pids_end == pids
+    new_pids = restarted(pids, pids_end)
+    passed = failed == 0 and all(v["flat"] for v in flat.values()) and not new_pids
     out = {"env": environment(ckpt, app["args"].get("backend", "auto")), "config": args.config, "path": args.path,
            "clients": args.clients, "duration_s": args.duration, "startup_s": round(srv.ready_s, 1),
-           "total": total, "failed": failed, "rss": flat, "replicas_restarted": pids_end != pids,
-           "passed": passed, "samples": samples}
+           "total": total, "failed": failed, "rss": flat, "replicas_restarted": new_pids,
+           "processes": {"start": pids, "end": pids_end}, "passed": passed, "samples": samples}
     with open(args.out, "w", encoding="utf-8") as fh:
         json.dump(out, fh, indent=1)
     plot(samples, base + ".png", "soak: %s, %d clients, %.0f s" % (os.path.basename(args.config), args.clients,
