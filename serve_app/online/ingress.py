@@ -152,6 +152,7 @@ class Ingress:
         strict = os.environ.get(JEV_STRICT_ENV, "").strip().lower() in ("1", "true", "yes", "on")
         self.answering = Answering(served, self.limits, routing_default=routing_default, auto_task=auto_task,
                                    strict=strict)
+        self.answering.router.warm()  # the language classifier (about 2 s), before traffic rather than on it
         self.device_preference = device_preference
         self._devices: dict[str, str] = {}
         self._m = {n: metrics.make(n, checkpoint=metrics.checkpoint_label(checkpoint)) for n in (
