@@ -186,6 +186,25 @@ def test_every_replica_backend_keeps_a_client_on_its_last_replica(tmp_path):
     assert haproxy.rewrite(out).count("option prefer-last-server") == 2  # rewriting twice adds nothing
 
 
+def _start_haproxy(path, port: int) -> subprocess.Popen:
+    """The real HAProxy running the config at `path`, once its frontend accepts connections on `port`."""
+    import socket
+    import time
+
+    proc = subprocess.Popen([haproxy.real_binary(), "-db", "-f", str(path)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return proc
+        except OSError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                proc.kill()
+                raise AssertionError("HAProxy did not listen on %d" % port) from None
+            time.sleep(0.1)
+
+
 def _serve(handler) -> tuple[int, object]:
     """A thread accepting connections on a free loopback port, each handled by `handler(conn)`."""
     import socket
@@ -256,21 +275,9 @@ def test_a_request_a_dying_replica_dropped_goes_to_another(tmp_path, retry_on_se
     rewritten = haproxy.rewrite(config, retry_on_set=retry_on_set)
     assert ("retry-on %s" % haproxy.RETRY_ON in rewritten) is not retry_on_set
     path.write_text(rewritten)
-    proc = subprocess.Popen([haproxy.real_binary(), "-db", "-f", str(path)], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT)
+    proc = _start_haproxy(path, port)
     statuses = []
     try:
-        import socket
-        import time
-
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                assert time.monotonic() < deadline and proc.poll() is None, "HAProxy did not listen"
-                time.sleep(0.1)
         with httpx.Client(base_url="http://127.0.0.1:%d" % port, timeout=30) as client:
             for i in range(8):
                 try:
@@ -305,8 +312,6 @@ def test_haproxys_own_errors_answer_json(tmp_path):
     normalises it to, with a JSON {"detail"} like the app's errors; malformed HTTP, headers over its buffer and
     trickled headers get HAProxy's own 400 / 408 (HTML on HAProxy 2.8, whose H1 layer bypasses errorfile)."""
     import json
-    import socket
-    import time
 
     port = _free_port()
     config = RAY_CONFIG.format(sock=tmp_path / "admin.sock", metrics=_free_port(), http=port, stats=_free_port(),
@@ -320,17 +325,8 @@ def test_haproxys_own_errors_answer_json(tmp_path):
     path = tmp_path / "haproxy.cfg"
     path.write_text(haproxy.rewrite(config, error_dir=str(tmp_path)))
     haproxy.write_error_files(str(tmp_path))
-    proc = subprocess.Popen([haproxy.real_binary(), "-db", "-f", str(path)], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT)
+    proc = _start_haproxy(path, port)
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                assert time.monotonic() < deadline and proc.poll() is None, "HAProxy did not listen"
-                time.sleep(0.1)
         cases = [("garbage", b"\x16\x03\x01\x00\xa5garbage\r\n\r\n", 400),
                  ("headers over the buffer", b"GET / HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 20000 + b"\r\n\r\n", 400),
                  ("two content-lengths",
