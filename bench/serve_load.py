@@ -131,7 +131,8 @@ class Server:
         t0 = time.monotonic()
         while time.monotonic() - t0 < timeout:
             if self.proc.poll() is not None:
-                raise RuntimeError("%s exited with %s; see %s" % (self.name, self.proc.returncode, self.log_path))
+                raise RuntimeError("%s exited with %s; %s:\n%s" % (self.name, self.proc.returncode, self.log_path,
+                                                                    self.log_tail()))
             try:
                 with urllib.request.urlopen(self.url + path, timeout=5) as r:
                     if r.status == 200:
@@ -139,7 +140,15 @@ class Server:
             except OSError:
                 pass
             time.sleep(1.0)
-        raise RuntimeError("%s not ready after %.0fs; see %s" % (self.name, timeout, self.log_path))
+        raise RuntimeError("%s not ready after %.0fs; %s:\n%s" % (self.name, timeout, self.log_path, self.log_tail()))
+
+    def log_tail(self, lines: int = 40) -> str:
+        """The last lines of the server's log (a GPU host's run keeps only what the command prints)."""
+        try:
+            with open(self.log_path, encoding="utf-8", errors="replace") as fh:
+                return "".join(fh.readlines()[-lines:])
+        except OSError as e:
+            return "(no log: %s)" % e
 
     def stop(self) -> None:
         """SIGINT the process group (serve run shuts Serve and its local Ray down), then escalate."""
@@ -160,7 +169,7 @@ class FleetServer(Server):
 
     name = "laya-fleet"
 
-    def __init__(self, config: dict | str, log_path: str, ready_timeout: float = 900.0, address: str | None = None,
+    def __init__(self, config: dict | str, log_path: str, ready_timeout: float = 300.0, address: str | None = None,
                  direct: bool = False, extra_env: dict | None = None, haproxy: bool = False):
         super().__init__(log_path)
         self._tmp = None

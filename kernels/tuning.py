@@ -29,21 +29,30 @@ _CLASSES = {"gemm": _gemm.GemmConfig, "geglu": _geglu.GegluConfig, "add_ln": _ln
 
 @dataclass(frozen=True)
 class Tuning:
-    """Measured winners. gemm / geglu: "NxK" (or "FxK") -> config for more than gemm.SMALL_M rows; add_ln: "D" ->
-    config; gemm_ws: "gemm" / "geglu" (every product of that form) or "gemm:NxK" / "geglu:FxK" (one product)."""
+    """Measured winners. small_m: token buckets up to this many rows run the small tiles (gemm.SMALL, geglu.SMALL),
+    larger ones the large-M kernels; gemm / geglu: "NxK" (or "FxK") -> config for more than small_m rows; add_ln:
+    "D" -> config; gemm_ws: "gemm" / "geglu" (every product of that form) or "gemm:NxK" / "geglu:FxK" (one
+    product)."""
 
     gemm: Mapping[str, Any] = field(default_factory=dict)
     geglu: Mapping[str, Any] = field(default_factory=dict)
     add_ln: Mapping[str, Any] = field(default_factory=dict)
     gemm_ws: Mapping[str, Any] = field(default_factory=dict)
+    small_m: int = _gemm.SMALL_M
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> Tuning:
-        """A table from its JSON form ({op: {key: config fields}}); ValueError for an unknown op."""
-        unknown = set(data) - set(_CLASSES)
+    def from_dict(cls, data: Mapping[str, Any]) -> Tuning:
+        """A table from its JSON form ({op: {key: config fields}}, and "small_m": rows); ValueError for an unknown
+        op or a small_m that is not a positive multiple of 64 (the token buckets' step)."""
+        unknown = set(data) - set(_CLASSES) - {"small_m"}
         if unknown:
-            raise ValueError("unknown ops in a tuning table: %s (use %s)" % (sorted(unknown), sorted(_CLASSES)))
-        return cls(**{op: {k: _CLASSES[op](**v) for k, v in data.get(op, {}).items()} for op in _CLASSES})
+            raise ValueError("unknown ops in a tuning table: %s (use %s or small_m)"
+                             % (sorted(unknown), sorted(_CLASSES)))
+        small_m = data.get("small_m", _gemm.SMALL_M)
+        if isinstance(small_m, bool) or not isinstance(small_m, int) or small_m < 64 or small_m % 64:
+            raise ValueError("small_m in a tuning table must be a positive multiple of 64, got %r" % (small_m,))
+        return cls(small_m=small_m,
+                   **{op: {k: _CLASSES[op](**v) for k, v in data.get(op, {}).items()} for op in _CLASSES})
 
     @classmethod
     def from_json(cls, path: str = PATH) -> Tuning:
@@ -53,9 +62,10 @@ class Tuning:
         with open(path, encoding="utf-8") as fh:
             return cls.from_dict(json.load(fh))
 
-    def as_dict(self) -> dict[str, dict[str, dict[str, Any]]]:
+    def as_dict(self) -> dict[str, Any]:
         """The JSON form `from_dict` reads."""
-        return {op: {k: asdict(v) for k, v in sorted(getattr(self, op).items())} for op in _CLASSES}
+        return {"small_m": self.small_m,
+                **{op: {k: asdict(v) for k, v in sorted(getattr(self, op).items())} for op in _CLASSES}}
 
     def with_entry(self, op: str, key: str, cfg: Any) -> Tuning:
         """A copy with one more (or a replaced) entry."""
@@ -66,21 +76,21 @@ TABLE = Tuning.from_json()
 
 
 def pick_gemm(M: int, N: int, K: int | None = None, table: Tuning = TABLE) -> _gemm.GemmConfig:
-    """The tile config of an M x N (x K) GEMM: the table's for large M, else `gemm.default_config`."""
-    if N > 64 and M > _gemm.SMALL_M:
-        hit = table.gemm.get("%dx%s" % (N, K))
-        if hit is not None:
-            return hit
-    return _gemm.default_config(M, N)
+    """The tile config of an M x N (x K) GEMM: NARROW for N <= 64, SMALL up to the table's small_m rows, else the
+    table's winner for this product or LARGE (`gemm.default_config` with small_m moved)."""
+    if N <= 64:
+        return _gemm.NARROW
+    if M <= table.small_m:
+        return _gemm.SMALL
+    return table.gemm.get("%dx%s" % (N, K)) or _gemm.LARGE
 
 
 def pick_geglu(M: int, Fd: int, K: int, table: Tuning = TABLE) -> _geglu.GegluConfig:
-    """The tile config of an M-row GeGLU of width Fd over K: the table's for large M, else the default."""
-    if M > _gemm.SMALL_M:
-        hit = table.geglu.get("%dx%d" % (Fd, K))
-        if hit is not None:
-            return hit
-    return _geglu.default_config(M)
+    """The tile config of an M-row GeGLU of width Fd over K: SMALL up to the table's small_m rows, else the
+    table's winner for this product or LARGE."""
+    if M <= table.small_m:
+        return _geglu.SMALL
+    return table.geglu.get("%dx%d" % (Fd, K)) or _geglu.LARGE
 
 
 def pick_add_ln(D: int, table: Tuning = TABLE) -> _ln.LNConfig:
@@ -92,7 +102,7 @@ def pick_gemm_ws(M: int, N: int, in_dtype: torch.dtype, out_dtype: torch.dtype, 
                  K: int | None = None, *, arch: str, sms: int, table: Tuning = TABLE) -> _gm.GemmWSConfig | None:
     """The hand-warp-specialised config an M-row product of N columns (K deep) runs with on `arch` with `sms`
     multiprocessors, or None for the other kernels (few rows, an fp32 output or N < 64, not Hopper)."""
-    if M <= _gemm.SMALL_M or N < 64 or in_dtype != out_dtype or not arch.startswith("sm_90"):
+    if M <= table.small_m or N < 64 or in_dtype != out_dtype or not arch.startswith("sm_90"):
         return None
     form = "geglu" if geglu else "gemm"
     base = table.gemm_ws.get("%s:%dx%s" % (form, N, K)) or table.gemm_ws.get(form)

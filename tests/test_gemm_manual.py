@@ -90,6 +90,25 @@ def test_a_tuning_table_round_trips_through_its_json_form(tmp_path):
         tuning.Tuning.from_dict({"gemmm": {}})
 
 
+def test_small_m_moves_where_the_small_tiles_end(tmp_path):
+    """The table's small_m decides which token buckets run the small tiles, for every pick, and the forward's
+    kernel list keeps the same kernels (M is dynamic: only the bucket at which they switch moves)."""
+    wide = tuning.Tuning(small_m=1024)
+    assert _pick(1024, 3072, BF, BF, table=wide) is None and _pick(1025, 3072, BF, BF, table=wide) == gm.GEMM
+    assert tuning.pick_gemm(1024, 3072, 1024, wide) == gemm.SMALL
+    assert tuning.pick_gemm(1024, 3072, 1024) == gemm.LARGE
+    assert tuning.pick_geglu(1024, 2624, 1024, wide) == geglu.SMALL
+    assert tuning.pick_geglu(1024, 2624, 1024) == geglu.LARGE
+    dims = dict(d=1024, heads=16, inter=2624, ffn=4096, windows={0, 64}, arch="sm_90a", sms=132)
+    assert forward.kernel_specs(**dims, table=wide) == forward.kernel_specs(**dims)
+    path = tmp_path / "tuning.json"
+    path.write_text(json.dumps(wide.as_dict()))
+    assert tuning.Tuning.from_json(str(path)) == wide
+    for bad in (100, 0, -64, "512", True):
+        with pytest.raises(ValueError, match="small_m"):
+            tuning.Tuning.from_dict({"small_m": bad})
+
+
 def test_the_forward_lists_manual_kernels_for_many_rows_only():
     dims = dict(d=1024, heads=16, inter=2624, ffn=4096, windows={0, 64})
     specs = forward.kernel_specs(**dims, arch="sm_90a", sms=132)

@@ -60,11 +60,11 @@ def kernel_specs(d: int, heads: int, inter: int, ffn: int, windows, eps: float =
     specs: list[tuple[str, tuple]] = []
     adt = dtype
     half = () if dtype == torch.bfloat16 else (dtype,)  # bf16 specs keep their historical form
-    for g, gg in ((_gemm.SMALL, _geglu.SMALL), (None, pick_geglu(_gemm.SMALL_M + 1, inter, d, table))):
+    big = table.small_m + 1
+    for g, gg in ((_gemm.SMALL, _geglu.SMALL), (None, pick_geglu(big, inter, d, table))):
         def cfg(M: int, N: int, K: int, g=g) -> _gemm.GemmConfig:
             return g if g is not None else pick_gemm(M, N, K, table)
 
-        big = _gemm.SMALL_M + 1
         qkv_cfg = cfg(big, 3 * d, d)   # Wqkv rotates Q and K in its epilogue (RoPE fused) when the tile allows
         qkv = (3 * d, d, qkv_bias, "none", qkv_cfg, adt) + ((adt, 2 * d) if qkv_cfg.bn % 64 == 0 else half)
         prods = [(3 * d, d, qkv_bias, "none", 2 * d), (d, d, out_bias, "none", 0), (d, inter, out_bias, "none", 0),

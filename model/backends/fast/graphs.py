@@ -14,8 +14,6 @@ from typing import Any
 
 import torch
 
-from kernels import gemm as _gemm
-
 from .packing import pow2, row_capacity, token_buckets
 from .weights import SCORER_PAD
 
@@ -92,8 +90,8 @@ class GraphRunner:
                 self.stats.captures_after_warmup += 1
                 log.warning("fast backend: capturing a graph for %d tokens after warm-up", Tb)
             # a kernel's first call (module load, launch attributes) stays outside a capture: one real run per
-            # tile regime (the GEMM tiles change at SMALL_M tokens), not one per bucket
-            regime = (Tb <= _gemm.SMALL_M, gb <= _gemm.SMALL_M)
+            # tile regime (the GEMM tiles change past the tuning table's small_m tokens), not one per bucket
+            regime = (Tb <= self.tuning.small_m, gb <= self.tuning.small_m)
             if regime not in self._ran:
                 self._side_run(self._body, Tb, gb)
                 self._ran.add(regime)
@@ -125,7 +123,7 @@ class GraphRunner:
                 self._alloc(max_batch_tokens)
             if not self.use_graphs:
                 # one real forward per kernel configuration: loads every module before traffic
-                small = [b for b in self.buckets if b <= _gemm.SMALL_M]
+                small = [b for b in self.buckets if b <= self.tuning.small_m]
                 for Tb in sorted(set(small[-1:]) | {self.buckets[-1]}):
                     self._warm_rows(Tb)
             else:  # each capture is preceded by a real run of the same bucket (see _encoder)
