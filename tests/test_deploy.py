@@ -1,13 +1,16 @@
-"""Production packaging without Docker: constraints.txt against the installed set and pyproject's ranges,
-deploy/install.sh's steps (run against a stub Python), deploy/Dockerfile's lines and the Makefile's setup rule."""
+"""Production packaging without Docker: every package the code imports bounded in pyproject, constraints.txt
+against the installed set and pyproject's ranges, deploy/install.sh's steps (run against a stub Python),
+deploy/Dockerfile's lines and the Makefile's setup rule."""
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import shutil
 import stat
 import subprocess
+import sys
 import tomllib
 from importlib import metadata
 from pathlib import Path
@@ -58,6 +61,70 @@ def installed_closure(extras: set[str]) -> dict[str, str]:
     walk("laya-fleet", extras)
     seen.pop("laya-fleet")
     return {k: Version(metadata.version(k)).public for k in seen}
+
+
+# -- pyproject's ranges ---------------------------------------------------------------------------------------
+FIRST_PARTY = ("model", "kernels", "serve_app")  # the installed packages (tool.setuptools.packages.find)
+INSIDE = {"tvm": "tilelang"}  # modules a distribution ships under another name (tilelang's bundled TVM)
+CEILINGS = ("<", "<=", "==", "===", "~=")
+
+
+def _imports() -> dict[str, str]:
+    """{top-level module: a file importing it} of every absolute import in the installed packages' code, less
+    the standard library and the packages themselves."""
+    out: dict[str, str] = {}
+    for pkg in FIRST_PARTY:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                    [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else []
+                for name in names:
+                    out.setdefault(name.split(".")[0], str(path.relative_to(ROOT)))
+    return {m: f for m, f in out.items() if m not in sys.stdlib_module_names and m not in FIRST_PARTY}
+
+
+def _declared() -> dict[str, Requirement]:
+    """{canonical name: requirement} of pyproject's dependencies and every extra's."""
+    project = PYPROJECT["project"]
+    reqs = [Requirement(r) for r in project["dependencies"]]
+    reqs += [Requirement(r) for extra in project["optional-dependencies"].values() for r in extra]
+    return {canonicalize_name(r.name): r for r in reqs}
+
+
+def _requires(req: Requirement) -> list[Requirement]:
+    """The requirements of installed `req` that apply with the extras it asks for."""
+    reqs = [Requirement(r) for r in metadata.requires(req.name) or []]
+    return [r for r in reqs if r.marker is None or any(r.marker.evaluate({"extra": e}) for e in req.extras or {""})]
+
+
+def _capped(req: Requirement) -> bool:
+    return any(spec.operator in CEILINGS for spec in req.specifier)
+
+
+def test_pyproject_bounds_every_dependency_and_extra():
+    assert [str(r) for r in _declared().values() if not _capped(r)] == []
+    assert PYPROJECT["tool"]["setuptools"]["packages"]["find"]["include"] == [p + "*" for p in FIRST_PARTY]
+
+
+def test_every_imported_package_is_bounded_by_pyproject():
+    """Each third-party import of the code is declared with a ceiling, or required with one by a dependency
+    that pyproject pins exactly (whose requirements are then fixed too): a fresh `pip install .` cannot pull
+    an untested major of anything the code touches."""
+    declared, dists = _declared(), metadata.packages_distributions()
+    pinned = [r for r in declared.values() if any(s.operator == "==" for s in r.specifier)]
+    imports = _imports()
+    assert {"torch", "ray", "fastapi", "yaml"} <= set(imports)
+    loose = {}
+    for module, where in imports.items():
+        names = [INSIDE[module]] if module in INSIDE else dists.get(module)
+        assert names, "%s (imported by %s) belongs to no installed distribution" % (module, where)
+        name = canonicalize_name(names[0])
+        if name in declared:
+            continue
+        via = [r for parent in pinned for r in _requires(parent) if canonicalize_name(r.name) == name]
+        if not via or not all(_capped(r) for r in via):
+            loose[module] = (where, [str(r) for r in via])
+    assert loose == {}, "declare these in pyproject.toml with a ceiling: %s" % loose
 
 
 # -- constraints.txt ------------------------------------------------------------------------------------------

@@ -236,3 +236,49 @@ def test_rayjob_runs_the_offline_cli_with_real_flags():
     for path in [*args.input, args.output, args.questions, args.checkpoint, args.cache_dir]:
         assert any(path.startswith(m + "/") or path == m for m in mounted), path
     assert _worker(doc)["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
+
+
+def test_deploy_doc_states_the_manifests_and_prod_yamls_numbers():
+    """docs/deploy.md's pods, environment, Secret, claims and ports are the manifest's, prod.yaml's and Ray's."""
+    from ray.serve._private import constants as serve
+
+    doc = (kuberay.ROOT / "docs" / "deploy.md").read_text()
+    text = " ".join(doc.split())  # the doc's wrapped lines as one
+    svc = manifest("rayservice")
+    prod = yaml.safe_load((kuberay.ROOT / "configs" / "prod.yaml").read_text())
+    head, worker = _head(svc), _worker(svc)
+    (h,), (w,) = head["template"]["spec"]["containers"], worker["template"]["spec"]["containers"]
+    lo, hi = worker["minReplicas"], worker["maxReplicas"]
+    assert "a CPU head and %d-%d GPU worker pods" % (lo, hi) in text
+    assert "a head pod (%s CPUs, no GPU, `num-cpus: %s`" % (h["resources"]["limits"]["cpu"],
+                                                            head["rayStartParams"]["num-cpus"]) in text
+    limits = w["resources"]["limits"]
+    assert "GPU worker pods of one `nvidia.com/gpu`, %s CPUs and %s GiB each, %d to %d of them" % (
+        limits["cpu"], limits["memory"].removesuffix("Gi"), lo, hi) in text and limits["nvidia.com/gpu"] == 1
+    deps = {d["name"]: d for d in prod["applications"][0]["deployments"]}
+    scale = deps["Ingress"]["autoscaling_config"]
+    others = {d["autoscaling_config"]["max_replicas"] for n, d in deps.items() if n.startswith("Scorer-")}
+    assert "prod.yaml's %d to %d fused replicas" % (scale["min_replicas"], scale["max_replicas"]) in text
+    assert len(others) == 1 and "0 to %d scorer replicas of each other checkpoint" % others.pop() in text
+    # the environment every pod gets, as the doc writes it
+    for c in (h, w):
+        env = {e["name"]: e for e in c["env"]}
+        for name in ("RAY_SERVE_ENABLE_HA_PROXY", "RAY_SERVE_HAPROXY_BINARY_PATH"):
+            assert "`%s=%s`" % (name, env[name]["value"]) in text
+        ref = env[prod["applications"][0]["args"]["api_key_env"]]["valueFrom"]["secretKeyRef"]
+        assert "kubectl create secret generic %s --from-literal=%s=" % (ref["name"], ref["key"]) in text
+    claims = {v["persistentVolumeClaim"]["claimName"] for c in (head, worker)
+              for v in c["template"]["spec"]["volumes"] if "persistentVolumeClaim" in v}
+    claims |= {v["persistentVolumeClaim"]["claimName"] for v in _worker(manifest("rayjob"))["template"]["spec"]
+               ["volumes"] if "persistentVolumeClaim" in v}
+    assert "for claim in %s; do" % " ".join(sorted(claims)) in text
+    # ports: the clients' one is prod.yaml's, the rest Ray's defaults
+    assert prod["http_options"]["port"] == 8000 and "**8000** is the only port for clients" in text
+    assert {"name": "serve", "containerPort": 8000} in h["ports"]
+    assert {"name": "dashboard", "containerPort": 8265} in h["ports"] and "**8265** (dashboard" in text
+    assert "the replicas' own ports %d-%d" % (serve.RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT,
+                                               serve.RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT) in text
+    assert "%d (Serve's fallback proxy)" % serve.RAY_SERVE_FALLBACK_PROXY_HTTP_PORT in text
+    assert "%d and %d (HAProxy's stats page and Prometheus exporter" % (
+        serve.RAY_SERVE_HAPROXY_STATS_PORT, serve.RAY_SERVE_HAPROXY_METRICS_PORT) in text
+    assert "laya-fleet-head-svc" in text and svc["metadata"]["name"] == "laya-fleet"

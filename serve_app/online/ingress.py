@@ -173,7 +173,7 @@ class Ingress:
 
     # -- plumbing -----------------------------------------------------------------------------
     def _record(self, route: str, status: int, t0: float) -> None:
-        tags = {"route": route, "status": str(status)}
+        tags = metrics.request_tags(route, status)
         self._m["laya_fleet_requests"].inc(tags=tags)
         self._m["laya_fleet_request_duration_seconds"].observe(time.perf_counter() - t0, tags=tags)
 
@@ -185,6 +185,7 @@ class Ingress:
         the request is counted under `route` with its status."""
         t0 = time.perf_counter()
         status = 500
+        metrics.routed_to()  # labelled with the default checkpoint until the body is routed
         try:
             self.auth.require(request)
             body, size = await read_json(request, self.limits, self._cpu)
@@ -202,6 +203,7 @@ class Ingress:
         routed and tokenized on the CPU pool, so it does not hold up the small requests beside it."""
         plan = self.answering.plan_one
         controls, routing, served, prepared, enc = await self._cpu(plan, body) if large else plan(body)
+        metrics.routed_to(served.path)
         t_inf = time.perf_counter()
         if prepared is None:
             result = Codec.empty_result()
@@ -216,6 +218,7 @@ class Ingress:
         state answered by the checkpoint it routes to, with the answered states' total usage and upstream's
         timing headers; checked, routed and tokenized on the CPU pool whatever its size."""
         states, controls, routes, groups = await self._cpu(self.answering.plan_batch, body)
+        metrics.routed_to(*(g.served.path for g in groups))
         t_inf = time.perf_counter()
         results: list = [None] * len(states)
         outs = await asyncio.gather(*(g.served.answer_states(g.prepared, g.encs, self._cpu) for g in groups

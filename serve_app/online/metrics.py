@@ -5,11 +5,18 @@
 as `ray_<name>`; `exported` gives those names. Serve adds the `deployment`, `replica` and `application` labels
 itself. Labels: `checkpoint` (the checkpoint directory's basename, as `/info` names it), `backend` (the
 forward the scorer replica resolved: eager, fast, compile, aot), and on request metrics `route` and `status`.
+
+A request metric's `checkpoint` is the checkpoint the request was routed to, which the ingress learns only
+mid-request: `routed_to` notes it in the handling asyncio task's context and `request_tags` reads it back when
+the request is recorded. A batch whose states went to several checkpoints is labelled with their labels joined
+by "," in sorted order; a request refused before it was routed carries the replica's default checkpoint.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+from contextvars import ContextVar
 
 DURATION_S = [0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 30]
 WAIT_S = [0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 5]
@@ -23,11 +30,12 @@ SERVE_LABELS = ("deployment", "replica", "application")  # added by Serve to eve
 
 # name -> (kind, description, label keys, histogram buckets)
 NAMES = {
-    "laya_fleet_requests": ("counter", "HTTP requests by route and status code", REQUEST, None),
+    "laya_fleet_requests": ("counter", "HTTP requests by checkpoint routed to, route and status code", REQUEST,
+                            None),
     "laya_fleet_request_duration_seconds": ("histogram", "HTTP request duration inside the ingress",
                                             REQUEST, DURATION_S),
-    "laya_fleet_ingress_warmup_seconds": ("gauge", "Seconds the ingress spent loading its tokenizer",
-                                          ("checkpoint",), None),
+    "laya_fleet_ingress_warmup_seconds": ("gauge", "Seconds the ingress spent loading its tokenizers and "
+                                          "language classifier", ("checkpoint",), None),
     "laya_fleet_queue_wait_seconds": ("histogram", "Time a request waited in the scorer queue before its batch ran",
                                       SCORER, WAIT_S),
     "laya_fleet_batch_requests": ("histogram", "Requests per scorer batch", SCORER, BATCH_REQUESTS),
@@ -51,9 +59,30 @@ def exported(name: str) -> tuple[str, ...]:
     return tuple("ray_" + name + s for s in _SUFFIXES[NAMES[name][0]])
 
 
+@functools.lru_cache(maxsize=256)
 def checkpoint_label(path: str) -> str:
     """The `checkpoint` label of a checkpoint directory: its basename (what `/info` calls its name)."""
     return os.path.basename(os.path.normpath(path))
+
+
+# the `checkpoint` label of the request the current asyncio task handles, once routed (None: not routed)
+_ROUTED: ContextVar[str | None] = ContextVar("laya_fleet_routed_checkpoint", default=None)
+
+
+def routed_to(*paths: str) -> None:
+    """Note the checkpoint directories the current request's states were routed to, for `request_tags`; no
+    paths clears the note (a request starting)."""
+    _ROUTED.set(",".join(sorted({checkpoint_label(p) for p in paths})) or None)
+
+
+def request_tags(route: str, status: int) -> dict[str, str]:
+    """The per-record tags of a request metric: `route`, `status` and, once `routed_to` named it, the
+    `checkpoint` the request went to (else the metric's default tag, the replica's default checkpoint)."""
+    tags = {"route": route, "status": str(status)}
+    routed = _ROUTED.get()
+    if routed:
+        tags["checkpoint"] = routed
+    return tags
 
 
 def make(name: str, **labels: str):
