@@ -4,11 +4,15 @@ All forward work runs on one dedicated thread (CUDA graphs and compiled graphs a
 and the asyncio loop must never block on the GPU). Rows are sorted by length and cut into micro-batches
 whose cost (`batch_cost`: what the backend computes, padding included unless it packs) stays under one
 token budget (`plan`); a CUDA out-of-memory halves the budget and retries, so no row is lost.
+
+The budget is measured at warm-up for one of two goals: `latency` (Serve replicas: the smallest budget near
+the best throughput, so batches and queues stay short) or `throughput` (offline actors: the forward's best).
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import threading
@@ -27,6 +31,10 @@ log = logging.getLogger(__name__)
 DEFAULT_CPU_BUDGET = 8192
 MIN_BUDGET = 64
 BUDGET_CANDIDATES = (4096, 8192, 16384, 32768, 65536, 131072)
+# throughput: no queue to keep short, and chunks under 16384 tokens leave a large GPU idle between launches
+THROUGHPUT_CANDIDATES = (16384, 32768, 65536, 131072)
+THROUGHPUT_WITHIN = 0.01   # about the noise of one probe step: closer than this to the best counts as the best
+GOALS = ("latency", "throughput")
 
 
 def batch_cost(lengths: Sequence[int], packed: bool) -> int:
@@ -69,6 +77,23 @@ def pick_budget(measured: list[tuple[int, float]], fallback: int, within: float 
         return fallback
     best = max(t for _, t in measured)
     return min(b for b, t in measured if t >= (1.0 - within) * best)
+
+
+def probe_rows(lengths: Sequence[int], tokens: int, pad_id: int, arrays: bool = False) -> list[Row]:
+    """Rows with `lengths` (cycled until they hold at least `tokens` tokens), longest first as `plan` orders a
+    call; `arrays` gives each row its int32 ids, as the codec builds rows for a packed backend."""
+    lengths = [int(n) for n in lengths if int(n) >= 4]
+    if not lengths:
+        raise ValueError("probe rows need at least one length of 4 tokens or more")
+    out, total, i = [], 0, 0
+    while total < tokens:
+        n = lengths[i % len(lengths)]
+        ids = [pad_id] * n
+        out.append(Row(ids, [1, 2, 3], 0, np.full(n, pad_id, dtype=np.int32) if arrays else None))
+        total += n
+        i += 1
+    out.sort(key=len, reverse=True)
+    return out
 
 
 def is_oom(exc: BaseException) -> bool:
@@ -131,27 +156,69 @@ class Scorer:
 
     def __init__(self, checkpoint: str, backend: str = "auto", device: str | None = None,
                  cache_dir: str | None = None, max_batch_tokens: int | None = None,
-                 max_batch_rows: int | None = None, warmup: bool = True, backend_options: dict | None = None):
-        import model
-
+                 max_batch_rows: int | None = None, warmup: bool = True, backend_options: dict | None = None,
+                 budget_goal: str = "latency", probe_budget: bool | None = None,
+                 budget_candidates: Sequence[int] | None = None, probe_lengths: Sequence[int] | None = None):
+        """`budget_goal`: `latency` or `throughput` (see the module docstring). `probe_budget`: measure the budget
+        at warm-up (default: on CUDA, without `max_batch_tokens`); `budget_candidates` the budgets it measures
+        (default by goal); `probe_lengths` row lengths of the job (a sample) the throughput probe of a packed
+        backend scores instead of rows of max_len."""
+        if budget_goal not in GOALS:
+            raise ValueError("budget_goal must be one of %s, got %r" % (GOALS, budget_goal))
         t0 = time.perf_counter()
-        # an explicit cache_dir wins over $LAYA_FLEET_CACHE_DIR (model.load falls back to the variable)
-        self.engine = model.load(checkpoint, device=device, backend=backend, cache_dir=cache_dir,
-                                 **(backend_options or {}))
+        self.budget_goal = budget_goal
+        self.budget_candidates = tuple(int(b) for b in budget_candidates or ()) or (
+            THROUGHPUT_CANDIDATES if budget_goal == "throughput" else BUDGET_CANDIDATES)
+        self.probe_lengths = [int(n) for n in probe_lengths] if probe_lengths else None
+        self._explicit_budget = bool(max_batch_tokens)
+        self.engine = self._load(checkpoint, backend, device, cache_dir, dict(backend_options or {}),
+                                 warmup and (probe_budget is not False), probe_budget)
         self.packed = bool(self.engine.backend.packed)
         self.max_batch_rows = max_batch_rows
         self.stats = ScorerStats()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="laya-forward")
         self._budget_lock = threading.Lock()
-        self._explicit_budget = bool(max_batch_tokens)
+        self._probe = ((self.engine.device.type == "cuda" if probe_budget is None else bool(probe_budget))
+                       and not self._explicit_budget)
         self.budget = int(max_batch_tokens) if max_batch_tokens else self._default_budget()
         self.stats.budget_history.append(self.budget)
         self.load_s = time.perf_counter() - t0
+        kernels = getattr(getattr(self.engine.backend, "stats", None), "compile_s", None)
+        self.timings: dict[str, float | None] = {"load_s": self.load_s, "kernels_s": kernels, "probe_s": 0.0,
+                                                 "warmup_s": 0.0, "capture_s": None}
         if warmup:
             self.stats.warmup_s = self._executor.submit(self._warmup).result()
         self.ready_s = time.perf_counter() - t0
         log.info("scorer ready: %s backend on %s, budget %d tokens, load %.1fs, warm-up %.1fs",
                  self.engine.backend_name, self.engine.device, self.budget, self.load_s, self.stats.warmup_s)
+
+    def _load(self, checkpoint: str, backend: str, device: str | None, cache_dir: str | None, options: dict,
+              may_probe: bool, probe: bool | None):
+        """`model.load`; a throughput probe on the fast backend first sizes its buffers for the largest candidate
+        (otherwise every candidate above its default chunk would measure that chunk), halving it on OOM."""
+        import model
+        from model.backends import ALIASES
+        from model.engine import resolve_device
+
+        name = ALIASES.get(backend, backend)
+        dev = resolve_device(device)
+        fast = name == "fast" or (name == "auto" and dev.type == "cuda")
+        sized = (self.budget_goal == "throughput" and fast and may_probe and not self._explicit_budget
+                 and "max_batch_tokens" not in options and (probe or (probe is None and dev.type == "cuda")))
+        if sized:
+            options["max_batch_tokens"] = max(self.budget_candidates)
+        while True:
+            try:
+                # an explicit cache_dir wins over $LAYA_FLEET_CACHE_DIR (model.load falls back to the variable)
+                return model.load(checkpoint, device=device, backend=backend, cache_dir=cache_dir, **options)
+            except Exception as e:
+                if not (sized and is_oom(e)) or options["max_batch_tokens"] <= min(self.budget_candidates):
+                    raise
+            # outside the except block, so the traceback no longer holds the failed engine's tensors
+            gc.collect()
+            self._release_memory()
+            options["max_batch_tokens"] //= 2
+            log.warning("out of memory sizing the fast backend; trying %d tokens", options["max_batch_tokens"])
 
     # -- facts --------------------------------------------------------------------------------
     @property
@@ -162,7 +229,8 @@ class Scorer:
     def info(self) -> dict[str, Any]:
         """What this scorer is: backend, device, budget, timings, counters, visible GPUs."""
         return {"backend": self.engine.backend_name, "device": self.device, "budget": self.budget,
-                "load_s": round(self.load_s, 3), "ready_s": round(self.ready_s, 3),
+                "budget_goal": self.budget_goal, "load_s": round(self.load_s, 3), "ready_s": round(self.ready_s, 3),
+                "startup": {k: None if v is None else round(v, 3) for k, v in self.timings.items()},
                 "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "pid": os.getpid(),
                 "stats": self.stats.as_dict(), "cache": self._cache_report()}
 
@@ -178,49 +246,96 @@ class Scorer:
 
     def _warmup(self) -> float:
         t = time.perf_counter()
-        if self.engine.device.type == "cuda" and not self._explicit_budget:
+        if self._probe:
             self.budget = self._choose_budget()
             self.stats.budget_history.append(self.budget)
+        t_probe = time.perf_counter()
         self.engine.warmup(self.budget)
-        return time.perf_counter() - t
+        t_end = time.perf_counter()
+        be = self.engine.backend
+        capture = getattr(getattr(be, "stats", None), "warmup_s", None)
+        if not isinstance(capture, (int, float)):
+            capture = getattr(be, "warmup_s", None)
+        self.timings.update(probe_s=t_probe - t, warmup_s=t_end - t_probe,
+                            capture_s=float(capture) if isinstance(capture, (int, float)) else None)
+        return t_end - t
 
     def _choose_budget(self) -> int:
-        """The smallest budget within 5% of the best throughput measured over every budget that fits.
+        """The budget `pick_budget` chooses from throughput measured over the candidates that fit.
 
-        Candidates are measured (a small or noisy step does not stop the search) until one runs out of
-        memory, peaks above 80% of the device or falls 10% below the best so far; the smallest budget close
-        to the best keeps batches, and so queueing latency, short when a bigger one would not pay.
+        `latency`: candidates in increasing order until one runs out of memory, peaks above 80% of the device or
+        falls 10% below the best so far (a small or noisy step does not stop the search); the smallest budget
+        within 5% of the best keeps batches, and so queueing latency, short when a bigger one would not pay.
+        `throughput`: candidates in decreasing order (the graph pool is sized once), each scored as calls of two
+        chunks of `probe_lengths` rows on a backend that cuts its own chunks, as an offline call runs; an
+        out-of-memory skips to the next smaller; the smallest within noise (1%) of the best is the forward's best.
         """
-        import torch
-
-        L = self.engine.bundle.max_len
-        pad = self.engine.builder.pad_id
-        total = torch.cuda.get_device_properties(self.engine.device).total_memory
+        throughput = self.budget_goal == "throughput"
+        chunked = self.engine.backend.chunk_tokens is not None
+        cap = self.engine.backend.chunk_tokens if chunked else None
+        cuda, dev = self._cuda(), self.engine.device
+        total = cuda.get_device_properties(dev).total_memory if cuda else None
         measured: list[tuple[int, float]] = []
-        for budget in BUDGET_CANDIDATES:
-            rows = [Row([pad] * L, [1, 2, 3], 0) for _ in range(max(1, budget // L))]
+        for budget in sorted(self.budget_candidates, reverse=throughput):
+            if throughput and cap is not None and budget > cap:
+                continue  # chunks are cut at the backend's buffers: this budget would measure a smaller one
             try:
-                torch.cuda.reset_peak_memory_stats()
-                self.engine.score(rows)  # compile / allocate
-                torch.cuda.synchronize()
-                n, t = 0, time.perf_counter()
-                while n < 3 or time.perf_counter() - t < 0.2:
-                    self.engine.score(rows)
-                    n += 1
-                torch.cuda.synchronize()
-                tps = n * len(rows) * L / (time.perf_counter() - t)
-                peak = torch.cuda.max_memory_allocated()
+                if cuda:
+                    cuda.reset_peak_memory_stats(dev)
+                tps = self._probe_rate(budget, throughput and chunked)
+                peak = cuda.max_memory_allocated(dev) if cuda else None
             except Exception as e:
                 if not is_oom(e):
                     raise
                 self._release_memory()
+                if throughput:
+                    continue
                 break
-            log.info("budget %d: %.0f tokens/s, peak %.1f GiB", budget, tps, peak / 2**30)
+            log.info("budget %d: %.0f tokens/s, peak %s", budget, tps,
+                     "%.1f GiB" % (peak / 2**30) if peak is not None else "n/a")
             measured.append((budget, tps))
-            if peak > 0.8 * total or tps < 0.9 * max(t for _, t in measured):
-                break  # near the memory limit, or clearly past the peak: larger budgets only cost warm-up time
+            near_limit = bool(peak and total and peak > 0.8 * total)
+            if tps < 0.9 * max(t for _, t in measured) or (near_limit and not throughput):
+                break  # past the peak, or near the memory limit: further budgets only cost warm-up time
         self.stats.budget_probe = {str(b): round(t) for b, t in measured}
-        return pick_budget(measured, MIN_BUDGET * 8)
+        return pick_budget(measured, MIN_BUDGET * 8, THROUGHPUT_WITHIN if throughput else 0.05)
+
+    def _probe_rate(self, budget: int, chunked: bool) -> float:
+        """Tokens/s of the forward at `budget`: one untimed call (compile, capture, allocate), then timed calls."""
+        L = self.engine.bundle.max_len
+        pad = self.engine.builder.pad_id
+        if chunked:  # two chunks a call: staging the second overlaps the first, as in an offline call
+            rows = probe_rows(self.probe_lengths or [L], 2 * budget, pad, arrays=self.packed)
+
+            def call():
+                return self.engine.score(rows, max_tokens=budget)
+            reps = 2
+        else:  # one micro-batch of full rows: the padded batch the budget admits
+            rows = [Row([pad] * L, [1, 2, 3], 0) for _ in range(max(1, budget // L))]
+
+            def call():
+                return self.engine.score(rows)
+            reps = 3
+        tokens = sum(len(r) for r in rows)
+        cuda = self._cuda()
+        call()
+        if cuda:
+            cuda.synchronize(self.engine.device)
+        n, t = 0, time.perf_counter()
+        while n < reps or time.perf_counter() - t < 0.2:
+            call()
+            n += 1
+        if cuda:
+            cuda.synchronize(self.engine.device)
+        return n * tokens / (time.perf_counter() - t)
+
+    def _cuda(self):
+        """`torch.cuda` when this scorer runs on CUDA (memory stats, synchronize), else None."""
+        if self.engine.device.type != "cuda":
+            return None
+        import torch
+
+        return torch.cuda
 
     # -- budget -------------------------------------------------------------------------------
     def set_budget(self, tokens: int) -> None:

@@ -25,6 +25,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from serve_app import offline
+from serve_app.offline.summary import PIECES
 from tests.test_offline import (  # noqa: F401 - one_thread is a fixture
     EXAMPLE_QUESTIONS,
     compare_to_reference,
@@ -201,6 +202,12 @@ def test_end_to_end_on_gpu_actors(cluster, data, tiny_checkpoint, engine):
     assert s["budgets"] == [8192] and s["oom_retries"] == 0 and 0 < s["padding_overhead"] < 1
     assert s["tokens"] == sum(pa.compute.sum(t.column("input_tokens")).as_py() or 0 for t in outputs(out).values())
     assert s["scorer_tokens"] == s["tokens"] and s["tokens_per_s"] > 0
+    # start-up piece by piece, adding up to run start -> first scorer ready; CPU pools sized to the one spare CPU
+    su = s["startup"]
+    assert su["total_s"] > 0 and len(su["actors_ready_s"]) == 2 and su["first_batch_s"] >= 0
+    assert all(su[k] >= 0 for k, _ in PIECES) and abs(sum(su[k] for k, _ in PIECES) - su["total_s"]) < 0.02
+    assert (s["stages"]["tokenize_tasks"], s["stages"]["decode_tasks"], s["stages"]["spare_cpus"]) == (1, 1, 1)
+    assert s["sample"]["states"] > 0 and s["sample"]["tokenize_tokens_per_cpu_s"] > 0
     assert json.load(open(out / "_summary.json"))["rows"] == n_rows
     assert outputs(out)["part-02.parquet"].num_rows == 0
     assert outputs(out)["part-02.parquet"].schema.field("intent_probabilities").type == pa.map_(pa.string(),

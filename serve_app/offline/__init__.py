@@ -9,6 +9,7 @@
 See docs/offline.md.
 """
 
+from . import _clock  # noqa: F401 - first, before the modules that import torch (see _clock)
 from .cli import main, parser
 from .config import JobSpec, OfflineConfig
 from .driver import prepare_job, run

@@ -61,6 +61,10 @@ class OfflineConfig:
     max_batch_tokens: int | None = option(None, "token budget per forward (default: measured on GPU)", type=int)
     max_batch_rows: int | None = option(None, "cap on rows per forward", type=int)
     batch_size: int = option(1024, "states per tokenize/scorer call (sorting window)", type=int)
+    tokenize_tasks: int | None = option(None, "concurrent tokenize tasks (default: sized from a sample of the "
+                                        "job so the scorer actors' forward is kept fed)", type=int)
+    decode_tasks: int | None = option(None, "concurrent decode tasks (default: sized like --tokenize-tasks)",
+                                      type=int)
     cache_dir: str | None = option(None, "compile/kernel cache root shared with Serve replicas")
     max_len: int | None = option(None, "token budget per row (default: the checkpoint's)", type=int)
     head_max_len: int | None = option(None, "tokens for question + options (default: the checkpoint's)", type=int)
@@ -76,6 +80,8 @@ class OfflineConfig:
                                   action="store_true")
     overwrite: bool = option(False, "discard everything in --output (any job) and start over", action="store_true")
     address: str | None = option(None, "Ray cluster address (default: RAY_ADDRESS, or a new local cluster)")
+    ray_dashboard: bool = option(False, "start the dashboard with the new local cluster (a few seconds of "
+                                 "start-up; a cluster of --address / RAY_ADDRESS has its own)", action="store_true")
     progress_interval: float = option(10.0, "seconds between progress log lines", type=float)
     # None: Ray Data's progress output is shown when stderr is a terminal
     ray_progress: bool | None = option(None, "show Ray Data's progress", action="store_true",

@@ -6,8 +6,10 @@
       -> DecodeStage     CPU tasks: logits -> answers as columns
       -> Collector       on the driver: rows grouped per input file; a complete file is sorted, written, marked
 
-A re-run with the same output directory skips files already done (see `io`). The run summary comes from the
-collector's counts and the scorer actors' reports (`score.ScorerReports`).
+The CPU pools are sized from a sample of the job's rows, which also gives the scorers' warm-up probe its row
+lengths (`sizing`). A re-run with the same output directory skips files already done (see `io`). The run
+summary comes from the collector's counts, the scorer actors' reports (`score.ScorerReports`) and the driver's
+start-up marks.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from .io import (
 )
 from .schema import RAY_PATH, RAY_ROW_HASH, output_fields
 from .score import ScorerReports, ScoreStage
+from .sizing import Sample, stage_tasks, take_sample
 from .summary import summarize
 from .tokenize import TokenizeStage
 from .write import Collector
@@ -96,6 +99,9 @@ def prepare_job(cfg: OfflineConfig) -> Job:
                         ("max_state_chars", cfg.max_state_chars, 0)):
         if v is None or v < lo:
             raise ConfigError("%s must be >= %s, got %r" % (name, lo, v))
+    for name, v in (("tokenize_tasks", cfg.tokenize_tasks), ("decode_tasks", cfg.decode_tasks)):
+        if v is not None and v < 1:
+            raise ConfigError("%s must be >= 1, got %r" % (name, v))
     carry = ([cfg.id_column] if cfg.id_column else []) + [c for c in cfg.passthrough if c != cfg.id_column]
     if len(set(carry)) != len(carry):
         raise ConfigError("--passthrough names a column twice: %s" % carry)
@@ -160,12 +166,13 @@ def init_ray(cfg: OfflineConfig, cpus_needed: float) -> None:
         ray.init()
     else:  # an embedded local cluster; declare enough logical CPUs for actors plus CPU stages
         before = reaper.descendants(os.getpid()) if os.path.isdir("/proc") else set()
-        ray.init(num_cpus=int(max(os.cpu_count() or 1, cpus_needed + 2)))
+        ray.init(num_cpus=int(max(os.cpu_count() or 1, cpus_needed + 2)), include_dashboard=cfg.ray_dashboard)
         reaper.start(os.getpid(), before)  # the local Ray ends with this process, even a SIGKILLed one
 
 
-def plan_actors(cfg: OfflineConfig) -> dict:
-    """How many scorer actors, with which resources and scorer options (ConfigError if it cannot fit)."""
+def plan_actors(cfg: OfflineConfig, sample: Sample | None = None) -> dict:
+    """How many scorer actors, with which resources and scorer options, and the CPU pools that feed them
+    (`sizing.stage_tasks`); ConfigError if it cannot fit."""
     import ray
 
     res = ray.cluster_resources()
@@ -180,16 +187,20 @@ def plan_actors(cfg: OfflineConfig) -> dict:
     if n_actors * cfg.cpus_per_actor > cpus - 1:
         raise ConfigError("%d scorer actors x %g CPUs leave no CPU of the cluster's %g for tokenizing and "
                           "decoding; lower --num-actors / --cpus-per-actor" % (n_actors, cfg.cpus_per_actor, cpus))
+    # an offline scorer measures its budget for throughput, on rows of the job's own lengths
     options = {"backend": cfg.backend, "device": None if n_gpus else "cpu", "cache_dir": cfg.cache_dir,
-               "max_batch_tokens": cfg.max_batch_tokens, "max_batch_rows": cfg.max_batch_rows, "warmup": True}
+               "max_batch_tokens": cfg.max_batch_tokens, "max_batch_rows": cfg.max_batch_rows, "warmup": True,
+               "budget_goal": "throughput", "probe_lengths": sample.row_lengths if sample else None}
+    stages = stage_tasks(n_actors, n_gpus > 0, sample, cpus, cfg.cpus_per_actor, cfg.tokenize_tasks,
+                         cfg.decode_tasks)
     return {"n_actors": n_actors, "num_gpus": 1 if n_gpus else 0, "num_cpus": cfg.cpus_per_actor,
-            "gpus": n_gpus, "scorer_options": options}
+            "gpus": n_gpus, "scorer_options": options, "stages": stages}
 
 
 def build_dataset(cfg: OfflineConfig, job: Job, files: list[InputFile], plan: dict, reports):
     """The Ray Data pipeline over `files` (lazy): read -> tokenize -> score -> decode."""
     import ray
-    from ray.data import ActorPoolStrategy
+    from ray.data import ActorPoolStrategy, TaskPoolStrategy
 
     spec = job.spec
     columns = list(dict.fromkeys([spec.state_column, *spec.carry_columns])) + [RAY_PATH, RAY_ROW_HASH]
@@ -199,7 +210,9 @@ def build_dataset(cfg: OfflineConfig, job: Job, files: list[InputFile], plan: di
     # A block (a read block can be a whole file) is what one task tokenizes and one actor call scores; the
     # second repartition also keeps Ray from fusing tokenize tasks into CPU-only scorer actors.
     ds = ds.repartition(target_num_rows_per_block=cfg.batch_size)
-    ds = ds.map_batches(TokenizeStage(spec), batch_size=cfg.batch_size, batch_format="pyarrow")
+    stages = plan["stages"]
+    ds = ds.map_batches(TokenizeStage(spec), batch_size=cfg.batch_size, batch_format="pyarrow",
+                        compute=TaskPoolStrategy(size=stages["tokenize_tasks"]))
     ds = ds.repartition(target_num_rows_per_block=cfg.batch_size)
     # Ray Data gives actor-pool workers max_restarts=-1 and max_task_retries=-1 by default: a dead scorer
     # actor is restarted and its in-flight batches are retried (tests/test_offline_ray.py kills one).
@@ -209,7 +222,8 @@ def build_dataset(cfg: OfflineConfig, job: Job, files: list[InputFile], plan: di
                         compute=ActorPoolStrategy(size=plan["n_actors"], max_tasks_in_flight_per_actor=4,
                                                   max_concurrent_calls_per_actor=2, enable_true_multi_threading=True),
                         num_gpus=plan["num_gpus"], num_cpus=plan["num_cpus"])
-    ds = ds.map_batches(DecodeStage(spec), batch_size=None, batch_format="pyarrow")
+    ds = ds.map_batches(DecodeStage(spec), batch_size=None, batch_format="pyarrow",
+                        compute=TaskPoolStrategy(size=stages["decode_tasks"]))
     return ds
 
 
@@ -230,6 +244,7 @@ def _configure_ray_data(cfg: OfflineConfig) -> None:
 def run(cfg: OfflineConfig, on_progress: Callable[[dict], None] | None = None) -> dict:
     """Score every input file not done yet; returns the run summary (also written to OUT/_summary.json)."""
     t0 = time.perf_counter()
+    marks = {"start": time.time()}  # wall clock: the scorer actors' start-up marks are too
     job = prepare_job(cfg)
     out = OutputDir(cfg.output)
     created, had_job_file = not os.path.isdir(out.root), os.path.exists(out.path(JOB_FILE))
@@ -254,11 +269,12 @@ def run(cfg: OfflineConfig, on_progress: Callable[[dict], None] | None = None) -
                 collector.finish(f)
         work = [f for f in pending if f.num_rows > 0]
         if work:
-            plan, scorers = _execute(cfg, job, work, collector)
+            plan, scorers = _execute(cfg, job, work, collector, marks)
         missing = collector.missing()
         if missing:
             raise RuntimeError("the pipeline ended but %d files are incomplete: %s" % (len(missing), missing[:5]))
-        summary = summarize(cfg, job, out, done, pending, collector, scorers, plan, time.perf_counter() - t0)
+        summary = summarize(cfg, job, out, done, pending, collector, scorers, plan, time.perf_counter() - t0,
+                            marks)
         atomic_write_json(out.path(SUMMARY_FILE), summary)
         return summary
     except BaseException:
@@ -269,20 +285,41 @@ def run(cfg: OfflineConfig, on_progress: Callable[[dict], None] | None = None) -
         out.unlock()
 
 
-def _execute(cfg: OfflineConfig, job: Job, work: list[InputFile], collector: Collector) -> tuple[dict, dict]:
-    """Run the pipeline over `work` into `collector`; returns (the actor plan, the scorers' last reports)."""
+def sample_job(job: Job, work: list[InputFile]) -> Sample | None:
+    """`sizing.take_sample` of the job, or None (logged) when the sample cannot be read or run: sizing then
+    falls back to its defaults and the pipeline reports the problem on the file itself."""
+    try:
+        sample = take_sample(job, work)
+    except Exception as e:  # best effort: a corrupt page must fail the job where the pipeline reads it
+        log.warning("could not sample %s for sizing (%s: %s); using default sizes", work[0].uri, type(e).__name__, e)
+        return None
+    log.info("sample of %d states: %s", sample.states, sample.as_dict())
+    return sample
+
+
+def _execute(cfg: OfflineConfig, job: Job, work: list[InputFile], collector: Collector,
+             marks: dict[str, float]) -> tuple[dict, dict]:
+    """Run the pipeline over `work` into `collector`; returns (the actor plan, the scorers' last reports).
+    Adds its wall-clock start-up marks to `marks` (prepared, sampled, Ray up, pipeline built)."""
     import ray
 
+    marks["prepared"] = time.time()  # job checked, output directory ready
+    sample = sample_job(job, work)
+    marks["sampled"] = time.time()
     cpus_hint = (cfg.num_actors or 1) * cfg.cpus_per_actor
     init_ray(cfg, cpus_hint)
+    marks["ray_up"] = time.time()
     _configure_ray_data(cfg)
-    plan = plan_actors(cfg)
-    log.info("scoring with %d %s actor(s) (%s backend), %g CPU each, batches of %d states",
-             plan["n_actors"], "GPU" if plan["gpus"] else "CPU", cfg.backend, plan["num_cpus"], cfg.batch_size)
+    plan = plan_actors(cfg, sample)
+    plan["sample"] = sample.as_dict() if sample else None
+    log.info("scoring with %d %s actor(s) (%s backend), %g CPU each, batches of %d states, %d tokenize and %d "
+             "decode tasks", plan["n_actors"], "GPU" if plan["gpus"] else "CPU", cfg.backend, plan["num_cpus"],
+             cfg.batch_size, plan["stages"]["tokenize_tasks"], plan["stages"]["decode_tasks"])
     reports = ray.remote(num_cpus=0)(ScorerReports).remote()
     collector.scorers = lambda: ray.get(reports.all.remote())
     try:
         ds = build_dataset(cfg, job, work, plan, reports)
+        marks["built"] = time.time()
         for table in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
             collector.add(table)
         scorers = ray.get(reports.all.remote())

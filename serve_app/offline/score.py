@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from ._clock import IMPORT_STARTED_AT
 from .config import JobSpec
 from .schema import C_ACT, C_ERROR, C_IDS, C_LEFT, C_LOGITS, Stage, list_values
 from .tokenize import TokenizeStage
@@ -58,10 +59,12 @@ class ScoreStage(Stage):
     DROPS = (C_IDS, C_LEFT, C_ERROR)
 
     def __init__(self, spec: JobSpec, scorer_options: dict, cpus: float = 1.0, reports: Any = None):
+        entered = time.time()
         import torch
 
         from ..scorer import Scorer
 
+        imported = time.time()
         if scorer_options.get("device") == "cpu" or not torch.cuda.is_available():
             torch.set_num_threads(max(1, int(cpus)))
         self.spec = spec
@@ -71,6 +74,9 @@ class ScoreStage(Stage):
         self.prepared = self.codec.prepare(spec.questions, spec.max_len, spec.head_max_len)
         self._lock = threading.Lock()
         self.identity = self._identity()
+        # wall clock, so the driver can line these up with its own marks: where this actor's start-up went
+        self.identity["started"] = {"process_at": process_started_at(), "import_began_at": IMPORT_STARTED_AT,
+                                    "entered_at": entered, "import_s": imported - entered}
         self.identity["ready_at"] = time.time()  # wall clock: the summary's "after start-up" rate starts here
         self.reports = reports
         self._report()
@@ -137,35 +143,62 @@ class ScoreStage(Stage):
     def __call__(self, batch: pa.Table) -> pa.Table:
         """The batch with raw option logits and P(action 0) per state instead of token ids."""
         self.check(batch)
-        n, nq, kmax = batch.num_rows, len(self.prepared.questions), self.prepared.kmax
-        errors = batch.column(C_ERROR).to_pylist()
-        left = batch.column(C_LEFT).to_pylist()
-        values, offsets = list_values(batch.column(C_IDS))
-        rows, per_state = [], []
-        for i in range(n):
-            start = len(rows)
-            if errors[i] is None:
-                ids = values[offsets[i]:offsets[i + 1]].tolist()
-                rows.extend(self.codec.encode_ids(ids, self.prepared, keep_newest=left[i]).rows)
-            per_state.append((start, len(rows)))
+        rows, per_state, errors = build_rows(batch, self.codec, self.prepared)
+        kmax = self.prepared.kmax
         if rows:
             logits, act = self._score(rows, per_state, errors)
         else:
             logits, act = np.zeros((0, kmax), np.float32), np.zeros(0, np.float32)
-        if logits.shape[1] < kmax:
-            logits = np.pad(logits, ((0, 0), (0, kmax - logits.shape[1])), constant_values=-1e4)
-        good = np.array([errors[i] is None for i in range(n)], dtype=bool)
-        sel = np.concatenate([np.arange(a, b) for (a, b), g in zip(per_state, good) if g] or [np.zeros(0, int)])
-        flat_logits = logits[sel, :kmax].reshape(-1).astype(np.float32)
-        flat_act = act[sel].astype(np.float32)
-        lg_off = np.zeros(n + 1, dtype=np.int32)
-        lg_off[1:] = np.cumsum(good * nq * kmax)
-        act_off = np.zeros(n + 1, dtype=np.int32)
-        act_off[1:] = np.cumsum(good * nq)
-        mask = pa.array(~good)
-        out = batch.drop_columns(list(self.DROPS))
-        lg_col = pa.ListArray.from_arrays(pa.array(lg_off), pa.array(flat_logits), mask=mask)
-        act_col = pa.ListArray.from_arrays(pa.array(act_off), pa.array(flat_act), mask=mask)
+        out = scored_table(batch, errors, per_state, logits, act, len(self.prepared.questions), kmax)
         self._report()
-        return (out.append_column(C_LOGITS, lg_col).append_column(C_ACT, act_col)
-                .append_column(C_ERROR, pa.array(errors, pa.string())))
+        return out
+
+
+def process_started_at() -> float | None:
+    """This process's start as wall-clock seconds (Linux /proc), or None where that cannot be read."""
+    try:
+        with open("/proc/self/stat") as fh:
+            ticks = int(fh.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as fh:
+            boot = next(float(ln.split()[1]) for ln in fh if ln.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def build_rows(batch: pa.Table, codec, prepared) -> tuple[list, list[tuple[int, int]], list]:
+    """The model rows of a tokenized batch: (rows, each state's [start, end) in them, each state's error)."""
+    errors = batch.column(C_ERROR).to_pylist()
+    left = batch.column(C_LEFT).to_pylist()
+    values, offsets = list_values(batch.column(C_IDS))
+    rows, per_state = [], []
+    for i in range(batch.num_rows):
+        start = len(rows)
+        if errors[i] is None:
+            ids = values[offsets[i]:offsets[i + 1]].tolist()
+            rows.extend(codec.encode_ids(ids, prepared, keep_newest=left[i]).rows)
+        per_state.append((start, len(rows)))
+    return rows, per_state, errors
+
+
+def scored_table(batch: pa.Table, errors: list, per_state: list[tuple[int, int]], logits: np.ndarray,
+                 act: np.ndarray, nq: int, kmax: int) -> pa.Table:
+    """`batch` without token ids, with each state's logits (questions x kmax) and P(action 0) as list columns
+    (null for a state with an error) and the error column last."""
+    n = batch.num_rows
+    if logits.shape[1] < kmax:
+        logits = np.pad(logits, ((0, 0), (0, kmax - logits.shape[1])), constant_values=-1e4)
+    good = np.array([errors[i] is None for i in range(n)], dtype=bool)
+    sel = np.concatenate([np.arange(a, b) for (a, b), g in zip(per_state, good) if g] or [np.zeros(0, int)])
+    flat_logits = logits[sel, :kmax].reshape(-1).astype(np.float32)
+    flat_act = act[sel].astype(np.float32)
+    lg_off = np.zeros(n + 1, dtype=np.int32)
+    lg_off[1:] = np.cumsum(good * nq * kmax)
+    act_off = np.zeros(n + 1, dtype=np.int32)
+    act_off[1:] = np.cumsum(good * nq)
+    mask = pa.array(~good)
+    out = batch.drop_columns(list(ScoreStage.DROPS))
+    lg_col = pa.ListArray.from_arrays(pa.array(lg_off), pa.array(flat_logits), mask=mask)
+    act_col = pa.ListArray.from_arrays(pa.array(act_off), pa.array(flat_act), mask=mask)
+    return (out.append_column(C_LOGITS, lg_col).append_column(C_ACT, act_col)
+            .append_column(C_ERROR, pa.array(errors, pa.string())))
