@@ -2,7 +2,8 @@
 
 Published Laya checkpoints load unchanged from a directory: nothing in the directory is rewritten
 (it may be a read-only mount), the tokenizer is built from `tokenizer.json` plus the special tokens
-named in its config, and the model is built without random initialisation, then loaded strictly.
+named in its config, and the model is built without random initialisation, then loaded strictly. Reading a
+bundle (config, tokenizer) imports no torch: processes that only tokenize and decode stay light.
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -218,12 +220,14 @@ def build_model(bundle: Bundle) -> torch.nn.Module:
     return model
 
 
-class _EncoderStandIn(torch.nn.Module):
-    """Holds the encoder config while the head is built (it reads only `encoder.config`)."""
+def _encoder_stand_in(config: Any) -> torch.nn.Module:
+    """A parameterless module holding the encoder config while the head is built (it reads only
+    `encoder.config`)."""
+    import torch
 
-    def __init__(self, config: Any):
-        super().__init__()
-        self.config = config
+    stand_in = torch.nn.Module()
+    stand_in.config = config
+    return stand_in
 
 
 def build_head(bundle: Bundle, encoder_config: Any) -> torch.nn.Module:
@@ -232,7 +236,7 @@ def build_head(bundle: Bundle, encoder_config: Any) -> torch.nn.Module:
     from .network import DecisionModel
 
     with _no_param_init():
-        return DecisionModel(_EncoderStandIn(encoder_config), int(bundle.cfg.get("head_layers", 2)),
+        return DecisionModel(_encoder_stand_in(encoder_config), int(bundle.cfg.get("head_layers", 2)),
                              len(bundle.cfg.get("act_costs", {})) + 1)
 
 
@@ -246,6 +250,8 @@ def _no_param_init():
     """torch.nn.init's in-place initialisers as no-ops: modules built inside keep `torch.empty` memory (no
     kernel, no RNG). Building on the meta device instead costs the first import of torch._dynamo (seconds on
     a GPU host: the meta initialisers run through torch._refs under a dynamo-disable wrapper)."""
+    import torch
+
     init = torch.nn.init
     with _INIT_LOCK:  # process-wide, like transformers' no_init_weights: our own builders take turns
         saved = {n: getattr(init, n) for n in _INIT_FNS if hasattr(init, n)}

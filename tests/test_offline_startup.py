@@ -7,6 +7,9 @@ real sample of Parquet rows; the start-up pieces on the marks and reports the dr
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -166,3 +169,19 @@ def _summary_stub() -> dict:
             "rows_per_s": 0.0, "tokens_per_s_after_ready": None, "seconds_to_scorers_ready": None, "actors": 1,
             "actor_restarts": 0, "gpus": 0, "gpu_ids": [], "backend": ["eager"], "devices": ["cpu"],
             "budgets": [8192], "oom_retries": 0, "padding_overhead": 0.0, "packed": False, "forward_s": 0.0}
+
+
+def test_tokenize_and_decode_workers_do_not_import_torch(tiny_checkpoint):
+    """The offline job's CPU stages (and anything that only reads a bundle and tokenizes) run without torch:
+    importing it costs each worker seconds of CPU and hundreds of MB while the GPU actors start beside them."""
+    code = ("import sys, model, model.codec, model.abstention, serve_app.offline.tokenize, serve_app.offline.decode,"
+            " serve_app.offline.write\n"
+            "from model.bundle import open_bundle\n"
+            "open_bundle(sys.argv[1])\n"
+            "assert 'torch' not in sys.modules, 'torch imported'\n"
+            "model.load\n"
+            "assert 'torch' in sys.modules\n")
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code, tiny_checkpoint], capture_output=True, text=True, cwd=repo,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
