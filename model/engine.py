@@ -153,18 +153,25 @@ class Engine:
         return time.perf_counter() - t
 
 
+# the tokens a fast backend's default buffers hold (model/backends/fast/backend.py DEFAULT_MAX_BATCH_TOKENS)
+FAST_ROW_TOKENS = 16384
+
+
 def row_token_limit(bundle: Bundle, backend: Any) -> int:
-    """The most tokens one row may hold on `backend` (an object or its name): the eager forward reads any row
-    its RoPE covers (the encoder's max_position_embeddings), as upstream's eager path does with a `max_len`
-    above the checkpoint's; the other backends are built for the checkpoint's own `max_len`."""
+    """The most tokens one row may hold on `backend` (an object, or its name where the scorer runs elsewhere): the
+    eager and fast forwards read any row the encoder's positions cover (max_position_embeddings; the fast one
+    within its buffers), as upstream's server does with a `max_len` above the checkpoint's; the compiled backends
+    are built for the checkpoint's own `max_len`."""
+    own = bundle.max_len
     name = backend if isinstance(backend, str) else backend.name
-    own = int(getattr(backend, "max_tokens_per_row", bundle.max_len) or bundle.max_len)
-    if name != "eager":
-        return own
+    if name == "fast" and not isinstance(backend, str):
+        return max(own, int(backend.max_tokens_per_row))
+    if name not in ("eager", "fast", "auto"):  # auto: fast on CUDA, else eager
+        return int(getattr(backend, "max_tokens_per_row", own) or own)
     positions = bundle.encoder_dict.get("max_position_embeddings", 8192)
     if isinstance(positions, bool) or not isinstance(positions, int):
         return own
-    return max(own, positions)
+    return max(own, positions if name == "eager" else min(positions, FAST_ROW_TOKENS))
 
 
 def resolve_device(device: Any = None) -> torch.device:

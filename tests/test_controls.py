@@ -264,7 +264,8 @@ def test_a_max_len_above_the_checkpoints_reads_more_as_upstream(engine, oracle, 
     from model.engine import row_token_limit
 
     assert row_token_limit(engine.bundle, engine.backend) == 8192 > engine.bundle.max_len
-    assert row_token_limit(engine.bundle, "fast") == engine.bundle.max_len
+    assert row_token_limit(engine.bundle, "fast") == row_token_limit(engine.bundle, "auto") == 8192
+    assert row_token_limit(engine.bundle, "compile") == row_token_limit(engine.bundle, "aot") == engine.bundle.max_len
     c = C.parse_controls(dict(budget), batch=False)
     for state in (LONG, [{"role": "user", "content": LONG}, {"role": "user", "content": "the newest turn"}]):
         ours, theirs = engine.predict(state, QUESTIONS, **c.budget()), oracle.predict(state, QUESTIONS, **budget)
@@ -272,6 +273,31 @@ def test_a_max_len_above_the_checkpoints_reads_more_as_upstream(engine, oracle, 
         if "max_len" in budget:
             assert ours["usage"]["state_tokens_dropped"] < engine.predict(state, QUESTIONS)["usage"][
                 "state_tokens_dropped"]
+
+
+@pytest.fixture(scope="module")
+def fast_engine(tiny_checkpoint):
+    """The fast backend's packing, buffers and RoPE tables on its torch ops (the kernels' references), on CPU."""
+    import model
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return model.load(tiny_checkpoint, device="cpu", backend="fast", ops="torch")
+
+
+@pytest.mark.parametrize("budget", [{"max_len": 600}, {"max_len": 8192, "head_max_len": 8192}])
+def test_the_fast_backend_takes_a_max_len_above_the_checkpoints_as_upstream(fast_engine, oracle, budget):
+    """Rows past the checkpoint's max_len, up to the encoder's positions, on the fast backend: the same answers as
+    upstream's eager path (the RoPE tables cover every position the row reaches)."""
+    from model.engine import row_token_limit
+
+    assert row_token_limit(fast_engine.bundle, fast_engine.backend) == 8192 == fast_engine.backend.max_tokens_per_row
+    c = C.parse_controls(dict(budget), batch=False)
+    ours, theirs = fast_engine.predict(LONG, QUESTIONS, **c.budget()), oracle.predict(LONG, QUESTIONS, **budget)
+    assert_same(ours, theirs)
+    assert ours["usage"]["state_tokens_dropped"] < fast_engine.predict(LONG, QUESTIONS)["usage"]["state_tokens_dropped"]
+    with pytest.raises(ValueError, match="longer than this backend supports|at most 8192"):
+        fast_engine.predict(LONG * 9, QUESTIONS, max_len=8193)
 
 
 # -- request checks (request_checks.py) against upstream's own ---------------------------------------------------

@@ -88,9 +88,14 @@ def test_single_row_and_order(engine, bundle, rows):
 def test_registry_and_errors(bundle):
     m = load_model(bundle)
     be = registry_backend("fast", m, bundle, torch.device("cpu"), ops="torch")
-    assert be.name == "fast" and be.max_tokens_per_row == bundle.max_len
-    with pytest.raises(ValueError, match="at most"):
-        be.forward([Row([5] * (bundle.max_len + 1), [1], 0)])
+    # rows to the encoder's positions (8192; the default buffers hold 16384 tokens), past the checkpoint's max_len
+    assert be.name == "fast" and be.max_tokens_per_row == 8192 > bundle.max_len
+    with pytest.raises(ValueError, match="at most 8192 tokens per row"):
+        be.forward([Row([5] * 8193, [1], 0)])
+    small = registry_backend("fast", m, bundle, torch.device("cpu"), ops="torch", max_batch_tokens=1024)
+    assert small.max_tokens_per_row == 1024   # within its buffers
+    with pytest.raises(ValueError, match="at most 1024"):
+        small.forward([Row([5] * 1025, [1], 0)])
     with pytest.raises(ValueError, match="no tokens"):
         be.forward([Row([], [], 0)])
     with pytest.raises(ValueError, match="marker"):

@@ -139,7 +139,12 @@ class FastBackend:
     def __init__(self, engine: FastForward):
         self.engine = engine
         self.device = engine.device
-        self.max_tokens_per_row = engine.max_len
+
+    @property
+    def max_tokens_per_row(self) -> int:
+        """The most tokens one row may hold (the encoder's positions, within the buffers): a body `max_len` above
+        the checkpoint's is honoured as the eager backend and upstream's server honour it."""
+        return self.engine.max_row_tokens
 
     def forward(self, rows: Sequence[Row], max_tokens: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Score rows (see `Backend.forward`), in chunks of at most max_tokens tokens (default: the largest

@@ -132,14 +132,20 @@ class Packing:
         cls.fill(0)
         cls[:len(rows)] = cu[:-1]
 
+    @property
+    def max_row_tokens(self) -> int:
+        """The most tokens one row may hold: the encoder's position range (its RoPE tables), within the buffers."""
+        return min(self.max_positions, self.T_max)
+
     def _check(self, rows: Sequence[Row]) -> None:
+        limit = self.max_row_tokens
         for i, r in enumerate(rows):
             n = len(r.ids)
             if n == 0:
                 raise ValueError("row %d has no tokens" % i)
-            if n > self.max_len:
+            if n > limit:
                 raise ValueError("row %d has %d tokens; the fast backend takes at most %d tokens per row "
-                                 "(max_len of this checkpoint)" % (i, n, self.max_len))
+                                 "(the encoder's positions, within its buffers)" % (i, n, limit))
             if r.markers and (min(r.markers) < 0 or max(r.markers) >= n):
                 raise ValueError("row %d has a marker outside its %d tokens" % (i, n))
             if r.qtype not in (0, 1, 2):

@@ -161,7 +161,12 @@ class DeviceWeights:
         self.d, self.heads, self.inter = d, heads, int(cfg.intermediate_size)
         self.head_heads = max(1, d // 64)
         self.eps = float(cfg.norm_eps)
-        self.max_len = min(int(bundle.max_len), int(getattr(cfg, "max_position_embeddings", 1 << 30)))
+        positions = getattr(cfg, "max_position_embeddings", None)
+        positions = positions if isinstance(positions, int) and not isinstance(positions, bool) else bundle.max_len
+        self.max_len = min(int(bundle.max_len), positions)   # the checkpoint's row: warm-up rows, marker capacity
+        # a row may run to the encoder's position range, as the eager forward and upstream's server take a body
+        # max_len above the checkpoint's (Packing.max_row_tokens also bounds it by the buffers)
+        self.max_positions = max(self.max_len, positions)
         window = getattr(cfg, "sliding_window", None) or int(cfg.local_attention) // 2
 
         def w(t: torch.Tensor) -> torch.Tensor:
@@ -179,7 +184,7 @@ class DeviceWeights:
         for lt in sorted(set(types)):
             inv = getattr(rot, "%s_inv_freq" % lt)
             scaling = float(getattr(rot, "%s_attention_scaling" % lt, 1.0))
-            self.rope_tables[lt] = _rope.rope_tables_from_inv_freq(inv, self.max_len, scaling, dev)
+            self.rope_tables[lt] = _rope.rope_tables_from_inv_freq(inv, self.max_positions, scaling, dev)
         self.layers = []
         for i, layer in enumerate(enc.layers):
             norm = layer.attn_norm if i > 0 else None
