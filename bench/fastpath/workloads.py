@@ -1,0 +1,119 @@
+"""The benchmark's inputs: generated e-mail states and questions, the workloads built from them, the engines
+under test, and how rows go through an engine (encode, batched forward, probabilities)."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import numpy as np
+
+from bench.fastpath.common import log, proposal
+
+WORDS = ("order refund late broken invoice payment password login error crash urgent angry happy thanks "
+         "please help ticket price plan upgrade cancel shipping address product quality spam offer free "
+         "click link security policy route model question answer server database network timeout the a "
+         "my your we is was not and or but with for from this that it to of in on at").split()
+Q_CHOICE = {"type": "choice", "instructions": "Route this customer email to the team that should handle it.",
+            "criteria": {"billing": "payments, invoices, refunds", "shipping": "delivery and tracking",
+                         "tech": "login, crashes, errors", "other": "anything else"}}
+Q_SCORE = {"type": "score", "instructions": "How urgent is this email?", "criteria": ["low", "medium", "high"]}
+Q_NOUL = {"type": "noul", "instructions": "The customer asks for their money back."}
+Q1 = {"route": Q_CHOICE}
+Q3 = {"route": Q_CHOICE, "urgency": Q_SCORE, "refund": Q_NOUL}
+
+
+def text(rng: random.Random, n: int) -> str:
+    """An e-mail-like text of n words."""
+    return "Subject: order %d\n" % rng.randint(1000, 9999) + " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+def make_engines(ckpt: str, which: list[str], max_tokens: int, device: str = "cuda", attn_cfg=None) -> dict:
+    """Our engines by name: fast (TileLang, bf16), fast16 (TileLang, fp16), eager (bf16 autocast), fp32 (eager
+    fp32, TF32 off).
+
+    On a CPU (a dry run of this script) `fast` runs its torch ops instead of the kernels."""
+    import torch
+
+    import model
+
+    out = {}
+    for name in which:
+        t = time.perf_counter()
+        if name in ("fast", "fast16"):
+            extra = {"ops": "torch"} if device == "cpu" else {"tuning": proposal()}
+            if attn_cfg is not None:
+                extra["attn_cfg"] = attn_cfg
+            if name == "fast16":
+                extra["act_dtype"] = torch.float16
+            eng = model.load(ckpt, device=device, backend="fast", max_batch_tokens=max_tokens, **extra)
+            w = eng.warmup(max_tokens)
+            out[name] = (eng, {"load_s": time.perf_counter() - t - w, "warmup_s": w,
+                               "stats": eng.backend.stats.as_dict()})
+        elif name == "eager":
+            eng = model.load(ckpt, device=device, backend="eager")
+            out[name] = (eng, {"load_s": time.perf_counter() - t})
+        elif name == "fp32":
+            torch.backends.cuda.matmul.allow_tf32 = False
+            torch.backends.cudnn.allow_tf32 = False
+            eng = model.load(ckpt, device=device, backend="eager", dtype=torch.float32)
+            out[name] = (eng, {"load_s": time.perf_counter() - t})
+        log("loaded %s in %.1fs" % (name, time.perf_counter() - t))
+    return out
+
+
+def rows_of(eng, cases) -> tuple[list, list]:
+    """All rows of (states, questions) cases, and each row's case index."""
+    rows, owner = [], []
+    for ci, (states, qs) in enumerate(cases):
+        prep = eng.prepare(qs)
+        for enc in eng.encode_many(states, prep):
+            rows += enc.rows
+            owner += [ci] * len(enc.rows)
+    return rows, owner
+
+
+def probs(logits: np.ndarray, rows) -> list[np.ndarray]:
+    """Per-row option probabilities (softmax over the row's own markers)."""
+    out = []
+    for lg, r in zip(logits, rows):
+        z = lg[:len(r.markers)].astype(np.float64)
+        e = np.exp(z - z.max())
+        out.append(e / e.sum())
+    return out
+
+
+def forward_batched(eng, rows, budget: int = 32768) -> tuple[np.ndarray, np.ndarray]:
+    """Backend forward over rows in token-budget micro-batches (padded cost for padded backends)."""
+    from serve_app.scorer import plan
+
+    packed = bool(getattr(eng.backend, "packed", False))
+    K = max(len(r.markers) for r in rows)
+    logits = np.full((len(rows), K), -1e4, np.float32)
+    p0 = np.zeros(len(rows), np.float32)
+    for idx in plan([len(r) for r in rows], budget, packed):
+        lg, p = eng.backend.forward([rows[i] for i in idx])
+        logits[idx, :lg.shape[1]] = lg
+        p0[idx] = p
+    return logits, p0
+
+
+def short_words(eng, target: int = 72) -> int:
+    """How many words make the 1-question row closest to `target` tokens with this tokenizer."""
+    best, best_err = 20, 1 << 30
+    for n in range(4, 80, 2):
+        rows, _ = rows_of(eng, [([text(random.Random(0), n)], Q1)])
+        err = abs(len(rows[0]) - target)
+        if err < best_err:
+            best, best_err = n, err
+    return best
+
+
+def workloads(seed: int = 0, offline_states: int = 2048, short: int = 34) -> dict:
+    """The benchmark workloads: (states, questions) per name."""
+    rng = random.Random(seed)
+    s1 = text(random.Random(0), short)
+    w = {"1x1": ([s1], Q1), "1x3": ([s1], Q3),
+         "10x3@512": ([text(rng, 700) for _ in range(10)], Q3)}
+    w["offline"] = ([text(rng, rng.randint(30, 420)) for _ in range(offline_states)], Q3)
+    return w
