@@ -10,6 +10,8 @@ CHECKPOINT := checkpoints/tiny
 ML_CHECKPOINT := checkpoints/tiny-multilingual
 TORCH_CPU ?= torch==2.13.0
 PYTEST_ARGS ?=
+# `make test` runs two lanes of pytest processes with bash's job control (set -m) and waits on both
+SHELL := bash
 
 .PHONY: setup checkpoint serve test lint bench-cpu clean
 
@@ -40,16 +42,34 @@ serve: setup checkpoint
 		$(BIN)/serve run configs/local.yaml; \
 	else $(LOCAL_RAY_ENV) $(BIN)/serve run configs/local.yaml; fi
 
-# tests/test_serve_direct.py and tests/test_serve_haproxy.py start a second local Ray (`serve run` with direct
-# ingress, or behind HAProxy) beside the session's in-process one; in one pytest process with the rest, 2 of 3 full
-# runs with test_serve_direct.py passed every test and then exited 1-2 without a summary (unexplained), so they
-# run in a process of their own, with the upstream tests (a `serve run` beside upstream's laya-serve,
-# tests/upstream_server.py).
+# The suite runs as four pytest processes, each holding one kind of Ray:
+# - SESSION_RAY_TESTS share the session's in-process local Ray (tests/serve_helpers.py's `serve_cluster`);
+# - OFFLINE_RAY_TESTS start `ray start --head` clusters of their own and attach this process to them as their
+#   driver, which a process attached to the session's Ray cannot (they skip there);
+# - OWN_RAY_TESTS start Ray in child processes (`serve run` with direct ingress or behind HAProxy, `serve run`
+#   beside upstream's laya-serve in tests/upstream_server.py, the README's `ray start`): in one pytest process with
+#   the session's Ray, 2 of 3 full runs with test_serve_direct.py passed every test and then exited 1-2 without a
+#   summary (unexplained);
+# - the rest need no Ray.
+# Two at a time, side by side (the tests wait on Ray, HTTP and child processes much of the time; two keep both
+# cores of a laptop busy), each with one torch thread (two threads of one process on a core the other process
+# uses wait on each other): the rest then OWN_RAY_TESTS, beside SESSION_RAY_TESTS then OFFLINE_RAY_TESTS, whose
+# output follows. `make test` fails if any of the four did; an interrupt stops both lanes.
+SESSION_RAY_TESTS := tests/test_metrics.py tests/test_serve.py tests/test_serve_autoscale.py \
+	tests/test_serve_checkpoints.py tests/test_serve_fused.py tests/test_serve_hardening.py tests/test_serve_info.py
+OFFLINE_RAY_TESTS := tests/test_offline_abstention.py tests/test_offline_faults.py tests/test_offline_ray.py
 OWN_RAY_TESTS := tests/test_serve_direct.py tests/test_serve_haproxy.py tests/test_upstream_clients.py \
-	tests/test_upstream_diff.py
+	tests/test_upstream_diff.py tests/test_job_submit.py
+PYTEST := OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q $(PYTEST_ARGS)
 test: setup checkpoint
-	$(BIN)/python -m pytest -q $(addprefix --ignore=,$(OWN_RAY_TESTS)) $(PYTEST_ARGS)
-	$(BIN)/python -m pytest -q $(OWN_RAY_TESTS) $(PYTEST_ARGS)
+	@out=$$(mktemp); lane=; trap 'exit 130' INT TERM; \
+	trap '[ -n "$$lane" ] && kill -INT -- -$$lane 2>/dev/null && { wait $$lane; cat $$out; }; rm -f $$out' EXIT; \
+	set -m; { $(PYTEST) $(SESSION_RAY_TESTS); a=$$?; $(PYTEST) $(OFFLINE_RAY_TESTS); exit $$((a | $$?)); } >$$out 2>&1 & \
+	lane=$$!; set +m; \
+	$(PYTEST) $(addprefix --ignore=,$(SESSION_RAY_TESTS) $(OFFLINE_RAY_TESTS) $(OWN_RAY_TESTS)); a=$$?; \
+	$(PYTEST) $(OWN_RAY_TESTS); b=$$?; \
+	wait $$lane; c=$$?; lane=; echo "-- $(SESSION_RAY_TESTS) then $(OFFLINE_RAY_TESTS):"; cat $$out; \
+	exit $$((a | b | c))
 
 lint: setup
 	$(BIN)/ruff check .

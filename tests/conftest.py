@@ -1,4 +1,5 @@
-"""Shared fixtures: one tiny checkpoint per test session, the engine over it, and the upstream oracle."""
+"""Shared fixtures: one tiny checkpoint per test session, the engine over it, and the upstream oracle; and the
+order of the Serve tests that share a deployed app."""
 
 from __future__ import annotations
 
@@ -9,7 +10,17 @@ import warnings
 import pytest
 import torch
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+def _torch_threads() -> int:
+    """OMP_NUM_THREADS where it is a number (`make test` runs two pytest processes side by side with one thread
+    each: two threads of one process on a core the other process uses wait on each other), else two."""
+    try:
+        return max(1, int(os.environ["OMP_NUM_THREADS"]))
+    except (KeyError, ValueError):
+        return max(1, min(2, os.cpu_count() or 1))
+
+
+torch.set_num_threads(_torch_threads())
 
 
 _EXIT: list[int] = []
@@ -30,12 +41,46 @@ def pytest_unconfigure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    _group_shared_serve_apps(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# The module fixtures that deploy a Serve app other modules reuse: tests/test_serve.py's `app` (split) and
+# tests/test_serve_fused.py's `fused`, which tests/test_serve_hardening.py and tests/test_serve_info.py take.
+SERVE_APP_FIXTURES = ("app", "fused")
+
+
+def _group_shared_serve_apps(items) -> None:
+    """Run every test of a shared Serve app where its first test runs, so the app is built once: deploying it
+    over another app starts new replicas, while deploying the config already running (each module's fixture
+    does) is a no-op for Serve (same code version, no new replica). Other tests keep their order."""
+    def app_of(item):
+        module = getattr(item, "module", None)
+        for name in SERVE_APP_FIXTURES:
+            if name in getattr(item, "fixturenames", ()) and module is not None:
+                return getattr(module, name, None)
+        return None
+
+    apps = [app_of(item) for item in items]
+    modules: dict[int, set[str]] = {}
+    for item, app in zip(items, apps):
+        if app is not None:
+            modules.setdefault(id(app), set()).add(item.module.__name__)
+    shared = {k for k, names in modules.items() if len(names) > 1}
+    out, placed = [], set()
+    for item, app in zip(items, apps):
+        key = id(app) if app is not None else None
+        if key not in shared:
+            out.append(item)
+        elif key not in placed:
+            placed.add(key)
+            out += [other for other, a in zip(items, apps) if a is app]
+    items[:] = out
 
 
 @pytest.fixture(scope="session")
@@ -77,6 +122,15 @@ def rows(engine):
         for enc in engine.encode_many(states, prep):
             out += enc.rows
     return out
+
+
+@pytest.fixture(scope="session")
+def rows_scored(engine, rows):
+    """The eager engine's (logits, P(action 0)) over `rows`: the reference the other backends are held to
+    (computed once; tests only read it)."""
+    logits, act = engine.score(rows)
+    logits.flags.writeable = act.flags.writeable = False
+    return logits, act
 
 
 @pytest.fixture(scope="session")

@@ -26,10 +26,10 @@ def _softmax(logits):
     return e / e.sum(-1, keepdims=True)
 
 
-def test_packed_forward_matches_eager_fp32(engine, bundle, rows):
+def test_packed_forward_matches_eager_fp32(bundle, rows, rows_scored):
     fast = make_backend(load_model(bundle), bundle, torch.device("cpu"), ops="torch", max_batch_tokens=2048)
     assert fast.packed and fast.name == "fast"
-    l1, p1 = engine.backend.forward(rows)
+    l1, p1 = rows_scored
     l2, p2 = fast.forward(rows)
     assert l2.shape == l1.shape and l2.dtype == np.float32 and p2.dtype == np.float32
     np.testing.assert_allclose(l2, l1, atol=2e-4, rtol=1e-4)
@@ -37,29 +37,41 @@ def test_packed_forward_matches_eager_fp32(engine, bundle, rows):
     assert fast.stats.chunks > 1  # 2048 tokens per chunk forces several chunks
 
 
+@pytest.fixture(scope="module")
+def half_forward(bundle, rows):
+    """{act_dtype: (backend, its forward over `rows`)} for fp16 and bf16, each built and run once on first use."""
+    out = {}
+
+    def run(dtype):
+        if dtype not in out:
+            fast = make_backend(load_model(bundle), bundle, torch.device("cpu"), ops="torch", act_dtype=dtype)
+            out[dtype] = fast, fast.forward(rows)
+        return out[dtype]
+
+    return run
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_packed_forward_in_half_precision_stays_near_fp32(engine, bundle, rows, dtype):
+def test_packed_forward_in_half_precision_stays_near_fp32(rows_scored, half_forward, dtype):
     """act_dtype fp16 / bf16 (the kernels' two modes) on the torch ops: activations and GEMM weights rounded,
     residual stream fp32; fp16 keeps 3 more mantissa bits, so it must be the closer of the two."""
-    l_ref, _ = engine.backend.forward(rows)
-    fast = make_backend(load_model(bundle), bundle, torch.device("cpu"), ops="torch", act_dtype=dtype)
+    l_ref, _ = rows_scored
+    fast, (logits, act) = half_forward(dtype)
     assert fast.engine.act_dtype == dtype and fast.engine.QKV.dtype == dtype
-    logits, act = fast.forward(rows)
     assert np.isfinite(logits).all() and np.isfinite(act).all()
     dp = np.abs(_softmax(logits) - _softmax(l_ref)).max()
     assert dp < (0.02 if dtype == torch.float16 else 0.15), dp
     if dtype == torch.float16:
-        bf = make_backend(load_model(bundle), bundle, torch.device("cpu"), ops="torch", act_dtype=torch.bfloat16)
-        dp_bf = np.abs(_softmax(bf.forward(rows)[0]) - _softmax(l_ref)).max()
+        dp_bf = np.abs(_softmax(half_forward(torch.bfloat16)[1][0]) - _softmax(l_ref)).max()
         assert dp < dp_bf, (dp, dp_bf)
 
 
-def test_max_tokens_cuts_chunks_and_a_bad_value_names_it(engine, bundle, rows):
+def test_max_tokens_cuts_chunks_and_a_bad_value_names_it(bundle, rows, rows_scored):
     fast = make_backend(load_model(bundle), bundle, torch.device("cpu"), ops="torch", max_batch_tokens=4096)
     c0 = fast.stats.chunks
     lg, p = fast.forward(rows, max_tokens=300)
     assert fast.stats.chunks - c0 >= sum(len(r) for r in rows) // 300
-    l_ref, p_ref = engine.backend.forward(rows)
+    l_ref, p_ref = rows_scored
     np.testing.assert_allclose(lg, l_ref, atol=2e-4, rtol=1e-4)
     for bad in (0, -5, 2.5, "512", True):
         with pytest.raises(ValueError, match="max_tokens"):

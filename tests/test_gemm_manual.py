@@ -54,11 +54,12 @@ def _pick(M, N, in_dtype, out_dtype, geglu=False, K=None, sms=132, arch="sm_90a"
 def test_pick():
     """Many rows of a 16-bit product on Hopper: the manual kernels; few rows, an fp32 output (the scorer's last
     layer) or another GPU: the other kernels."""
-    assert _pick(gemm.SMALL_M + 1, 3072, BF, BF) == gm.GEMM
+    small_m = tuning.TABLE.small_m  # the committed table's end of the small tiles
+    assert _pick(small_m + 1, 3072, BF, BF) == gm.GEMM
     # no clusters for the N = 1024 products (see BENCHMARKS.md, "GPU fast path")
-    assert _pick(gemm.SMALL_M + 1, 1024, BF, BF, K=2624) == replace(gm.GEMM, cluster=1)
+    assert _pick(small_m + 1, 1024, BF, BF, K=2624) == replace(gm.GEMM, cluster=1)
     assert _pick(65536, 2624, F16, F16, geglu=True) == gm.GEGLU
-    assert _pick(gemm.SMALL_M, 3072, BF, BF) is None
+    assert _pick(small_m, 3072, BF, BF) is None
     assert _pick(4096, 16, BF, torch.float32) is None
     assert _pick(4096, 3072, BF, BF, sms=114).persistent == 114   # an H100 PCIe: one block per SM there
     # a measured winner in the table (bench/fast_path.py proposes one)

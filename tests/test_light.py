@@ -55,7 +55,7 @@ def test_fast_forward_from_the_light_model_equals_the_full_model(bundle, rows):
     np.testing.assert_array_equal(a[1], b[1])
 
 
-def test_model_load_fast_never_imports_transformers_modeling(tiny_checkpoint, engine, rows):
+def test_model_load_fast_never_imports_transformers_modeling(tiny_checkpoint, rows_scored):
     code = (
         "import sys, json, numpy as np, model\n"
         "from tests import cases as C\n"
@@ -76,7 +76,7 @@ def test_model_load_fast_never_imports_transformers_modeling(tiny_checkpoint, en
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["backend"] == "fast" and out["mods"] == []
-    lg, act = engine.score(rows)
+    lg, act = rows_scored
     np.testing.assert_allclose(np.array(out["lg"]), lg, atol=2e-4, rtol=1e-4)
     np.testing.assert_allclose(np.array(out["act"]), act, atol=1e-5)
 

@@ -196,7 +196,8 @@ def test_sigkilled_driver_rerun_loses_and_duplicates_no_row(cluster, tmp_path, t
     me = ray.get_runtime_context().get_job_id()
     deadline = time.time() + 60
     while True:  # the killed driver's actors (scorers, reports, Ray Data's own) are ended by the cluster
-        alive = [a for a in list_actors(filters=[("state", "=", "ALIVE")]) if a.job_id != me]
+        listed = list_actors(address=cluster["dashboard"], filters=[("state", "=", "ALIVE")])
+        alive = [a for a in listed if a.job_id != me]
         if not alive or time.time() > deadline:
             break
         time.sleep(1)

@@ -10,19 +10,40 @@ from serve_app.online.coalescer import CallCoalescer
 
 
 class Scorer:
-    """A real async callee standing in for the handle call: records each call's groups, answers per request."""
+    """A real async callee standing in for the handle call: records each call's groups, answers per request.
 
-    def __init__(self, delay: float = 0.05, fail_on: str | None = None):
-        self.delay, self.fail_on = delay, fail_on
+    Calls wait for `release()` (none is held once released), so a test decides when the busy slot frees; a
+    timed wait would race the requests arriving meanwhile on a loaded machine."""
+
+    def __init__(self, fail_on: str | None = None):
+        self.fail_on = fail_on
         self.calls: list[list[str]] = []
+        self._free = asyncio.Event()
+
+    def release(self) -> None:
+        self._free.set()
 
     async def send(self, groups):
         names = [g[0][0] for g in groups]  # each group: one request's rows; a row starts with its name
         self.calls.append(names)
-        await asyncio.sleep(self.delay)
+        await self._free.wait()
         if self.fail_on in names:
             raise RuntimeError("call failed")
         return ["answer:" + n for n in names]
+
+
+async def _busy(c: CallCoalescer, first: str, later: list[tuple[str, int]], release) -> list:
+    """Submit `first` (its call takes the one slot), then the `later` requests ((name, tokens) each) while that call
+    is out, then `release(their tasks)` to free the slot; returns every outcome (exceptions included), `first`'s
+    first."""
+    head = asyncio.ensure_future(c.submit([_row(first)]))
+    await asyncio.sleep(0)  # `first` is taken into a call
+    assert c.inflight == 1 and c.waiting == 0
+    rest = [asyncio.ensure_future(c.submit([_row(n, k)])) for n, k in later]
+    await asyncio.sleep(0)  # the later ones are waiting for the slot
+    assert c.waiting == len(later)
+    release(rest)
+    return await asyncio.gather(head, *rest, return_exceptions=True)
 
 
 def _row(name: str, tokens: int = 10) -> list:
@@ -30,7 +51,8 @@ def _row(name: str, tokens: int = 10) -> list:
 
 
 def test_an_idle_request_is_sent_at_once_and_alone():
-    s = Scorer(delay=0.0)
+    s = Scorer()
+    s.release()
 
     async def go():
         c = CallCoalescer(s.send, max_inflight=2)
@@ -45,14 +67,11 @@ def test_an_idle_request_is_sent_at_once_and_alone():
 
 
 def test_requests_arriving_while_slots_are_busy_leave_together_in_order():
-    s = Scorer(delay=0.05)
+    s = Scorer()
 
     async def go():
-        c = CallCoalescer(s.send, max_inflight=1)
-        first = asyncio.ensure_future(c.submit([_row("r0")]))
-        await asyncio.sleep(0.01)  # r0's call is out; the next five wait for the slot
-        rest = [asyncio.ensure_future(c.submit([_row("r%d" % i)])) for i in range(1, 6)]
-        return await asyncio.gather(first, *rest)
+        c = CallCoalescer(s.send, max_inflight=1)  # r0's call is out; the next five wait for the slot
+        return await _busy(c, "r0", [("r%d" % i, 10) for i in range(1, 6)], lambda _: s.release())
 
     outs = asyncio.run(go())
     assert outs == ["answer:r%d" % i for i in range(6)]
@@ -60,15 +79,12 @@ def test_requests_arriving_while_slots_are_busy_leave_together_in_order():
 
 
 def test_a_shared_call_is_cut_at_the_token_cap_but_a_big_request_still_goes():
-    s = Scorer(delay=0.02)
+    s = Scorer()
 
     async def go():
         c = CallCoalescer(s.send, max_inflight=1, max_call_tokens=25)
-        first = asyncio.ensure_future(c.submit([_row("r0")]))
-        await asyncio.sleep(0.005)
         sizes = {"r1": 10, "r2": 10, "r3": 10, "big": 60, "r4": 5}
-        rest = [asyncio.ensure_future(c.submit([_row(n, k)])) for n, k in sizes.items()]
-        return await asyncio.gather(first, *rest)
+        return await _busy(c, "r0", list(sizes.items()), lambda _: s.release())
 
     outs = asyncio.run(go())
     assert outs == ["answer:" + n for n in ("r0", "r1", "r2", "r3", "big", "r4")]
@@ -76,14 +92,11 @@ def test_a_shared_call_is_cut_at_the_token_cap_but_a_big_request_still_goes():
 
 
 def test_a_failed_call_fails_only_its_own_requests():
-    s = Scorer(delay=0.03, fail_on="bad")
+    s = Scorer(fail_on="bad")
 
     async def go():
         c = CallCoalescer(s.send, max_inflight=1)
-        first = asyncio.ensure_future(c.submit([_row("bad")]))
-        await asyncio.sleep(0.005)
-        later = [asyncio.ensure_future(c.submit([_row(n)])) for n in ("x", "y")]
-        return await asyncio.gather(first, *later, return_exceptions=True)
+        return await _busy(c, "bad", [("x", 10), ("y", 10)], lambda _: s.release())
 
     first, x, y = asyncio.run(go())
     assert isinstance(first, RuntimeError) and (x, y) == ("answer:x", "answer:y")
@@ -91,33 +104,33 @@ def test_a_failed_call_fails_only_its_own_requests():
 
 
 def test_a_cancelled_waiter_is_dropped_before_its_call():
-    s = Scorer(delay=0.03)
+    s = Scorer()
 
     async def go():
         c = CallCoalescer(s.send, max_inflight=1)
-        first = asyncio.ensure_future(c.submit([_row("r0")]))
-        await asyncio.sleep(0.005)
-        gone = asyncio.ensure_future(c.submit([_row("gone")]))
-        kept = asyncio.ensure_future(c.submit([_row("kept")]))
-        await asyncio.sleep(0)
-        gone.cancel()
-        return await asyncio.gather(first, kept)
+
+        def cancel_gone_then_release(tasks):
+            tasks[0].cancel()
+            s.release()
+
+        first, gone, kept = await _busy(c, "r0", [("gone", 10), ("kept", 10)], cancel_gone_then_release)
+        assert isinstance(gone, asyncio.CancelledError)
+        return [first, kept]
 
     assert asyncio.run(go()) == ["answer:r0", "answer:kept"]
     assert s.calls == [["r0"], ["kept"]]
 
 
 def test_a_short_result_list_is_an_error_not_a_misattributed_answer():
+    s = Scorer()
+
     async def short(groups):
-        await asyncio.sleep(0.02)
+        await s.send(groups)
         return ["answer"]  # one result whatever the call carried
 
     async def go():
         c = CallCoalescer(short, max_inflight=1)
-        first = asyncio.ensure_future(c.submit([_row("r0")]))
-        await asyncio.sleep(0.005)
-        pair = [asyncio.ensure_future(c.submit([_row(n)])) for n in ("a", "b")]
-        return await asyncio.gather(first, *pair, return_exceptions=True)
+        return await _busy(c, "r0", [("a", 10), ("b", 10)], lambda _: s.release())
 
     first, a, b = asyncio.run(go())
     assert first == "answer"

@@ -9,14 +9,9 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
-import tempfile
 
 import httpx
 import pytest
-import yaml
 
 pytest.register_assert_rewrite("tests.serve_helpers")
 
@@ -24,64 +19,37 @@ from serve_app.online.direct_ingress import ingress_ports  # noqa: E402
 
 from .serve_helpers import (  # noqa: E402
     AUTH,
+    REPO,
     TEST_KEY,
     TEST_KEY_ENV,
+    ServeRun,
     app_config,
     assert_same_result,
     free_port,
+    free_port_range,
     jsonify,
     no_leak,
-    wait_ready,
 )
 from .test_serve import BAD, QUESTIONS  # noqa: E402
 
-SERVE = os.path.join(os.path.dirname(sys.executable), "serve")
+DIRECT_PORTS = 41  # the replica's HTTP port is taken from a range of our own, away from other tests' Serve
 
 
 @pytest.fixture(scope="module")
 def direct(tiny_checkpoint):
-    """(proxy base URL, direct-ingress base URL) of a `serve run` with direct ingress on."""
+    """(proxy base URL, direct-ingress base URL, the replica ports) of a `serve run` with direct ingress on."""
     port = free_port()
     cfg = app_config(tiny_checkpoint, port, api_key_env=TEST_KEY_ENV)
-    lo = 20000 + (port % 5000) * 2  # a port range of our own, away from other tests' Serve
+    lo = free_port_range(DIRECT_PORTS)
+    hi = lo + DIRECT_PORTS - 1
     env = dict(os.environ, RAY_SERVE_ENABLE_DIRECT_INGRESS="1", RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT=str(lo),
-               RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT=str(lo + 40), RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S="1",
-               RAY_AUTH_MODE="disabled", PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+               RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT=str(hi), RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S="1",
+               RAY_AUTH_MODE="disabled", PYTHONPATH=REPO)
     env[TEST_KEY_ENV] = TEST_KEY
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "direct.yaml")
-        with open(path, "w") as fh:
-            yaml.safe_dump(cfg, fh)
-        log = open(os.path.join(tmp, "serve.log"), "w")
-        proc = subprocess.Popen([SERVE, "run", "--address", "local", path], env=env, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            base = "http://127.0.0.1:%d" % port
-            wait_ready(base, timeout=240)
-            old = {k: os.environ.get(k) for k in ("RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT",
-                                                  "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT")}
-            os.environ.update(RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT=str(lo),
-                              RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT=str(lo + 40))
-            try:
-                ports = ingress_ports(1, timeout=60)
-            finally:
-                for k, v in old.items():
-                    if v is None:
-                        os.environ.pop(k, None)
-                    else:
-                        os.environ[k] = v
-            yield base, "http://127.0.0.1:%d" % ports[0], ports
-        finally:
-            for sig, wait in ((signal.SIGINT, 60), (signal.SIGTERM, 20), (signal.SIGKILL, 10)):
-                try:
-                    os.killpg(proc.pid, sig)
-                    proc.wait(wait)
-                    break
-                except ProcessLookupError:
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
-            log.close()
+    base = "http://127.0.0.1:%d" % port
+    with ServeRun(cfg, env, base, timeout=240):
+        ports = ingress_ports(1, timeout=60, ports=(lo, hi))
+        yield base, "http://127.0.0.1:%d" % ports[0], ports
 
 
 def test_the_ingress_replica_answers_on_its_own_port_like_the_proxy_and_the_engine(direct, engine):

@@ -134,6 +134,7 @@ def test_two_fused_replicas_per_logical_gpu_serve_and_a_killed_one_is_replaced(s
     fused_config(cfg, replicas_per_gpu=2, gil_switch_interval_s=0.0001)
     (only,) = cfg["applications"][0]["deployments"]
     assert only["num_replicas"] == 2 and cfg["applications"][0]["args"]["scorer"]["num_gpus"] == 0.5
+    only["health_check_period_s"] = 1  # Serve finds the killed replica at its next health check (default 10 s)
     deploy(cfg, serve_cluster["base"], timeout=180)
     assert wait_for(lambda: running_replicas(deployment_name="Ingress") == 2, 120, what="2 fused replicas")
     url = serve_cluster["base"] + "/v1/systemone"

@@ -101,6 +101,8 @@ def service(tiny_checkpoint, request):
     ingress = deployment(cfg["applications"][0], "Ingress")
     ingress.pop("num_replicas")
     ingress["autoscaling_config"] = INGRESS_AUTOSCALING
+    for name in ("Ingress", "Scorer"):  # Serve finds a killed replica at its next health check (default 10 s)
+        deployment(cfg["applications"][0], name)["health_check_period_s"] = 1
     env = dict(os.environ, **AUTOSCALING_ENV, RAY_SERVE_ENABLE_HA_PROXY="1",
                RAY_SERVE_HAPROXY_BINARY_PATH=os.path.join(os.path.dirname(sys.executable), "laya-fleet-haproxy"),
                RAY_SERVE_HAPROXY_STATS_PORT=str(ports["stats"]), RAY_SERVE_HAPROXY_METRICS_PORT=str(ports["metrics"]),
