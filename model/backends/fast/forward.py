@@ -225,8 +225,10 @@ class ForwardOps:
         tok = self._mark("attention %s" % ("window %d" % window if window else "full %d heads" % heads))
         if self.ops["attention"] == "tilelang":
             _attn.attention_kernel(heads, window, self.attn_cfg, qkv.dtype)(qkv, v["cu"], v["tiles"], out)
-        else:
+        elif qkv.is_cuda:  # a dense mask needs no host sync, so the forward can be graph-captured
             out.copy_(_attn.attention_dense(qkv, v["trow"], v["pos"], heads, window))
+        else:  # CPU: row by row, the sum of each row's L^2 rather than the chunk's T^2
+            out.copy_(_attn.attention_ref(qkv, v["cu"], heads, window))
         self._done(tok)
 
     @torch.no_grad()
