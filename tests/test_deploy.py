@@ -95,8 +95,12 @@ def _declared() -> dict[str, Requirement]:
 
 
 def _requires(req: Requirement) -> list[Requirement]:
-    """The requirements of installed `req` that apply with the extras it asks for."""
-    reqs = [Requirement(r) for r in metadata.requires(req.name) or []]
+    """The requirements of installed `req` that apply with the extras it asks for (none where an extra's
+    package, tilelang under `.[dev]`, is not installed)."""
+    try:
+        reqs = [Requirement(r) for r in metadata.requires(req.name) or []]
+    except metadata.PackageNotFoundError:
+        return []
     return [r for r in reqs if r.marker is None or any(r.marker.evaluate({"extra": e}) for e in req.extras or {""})]
 
 

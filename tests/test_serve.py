@@ -325,14 +325,27 @@ def test_reconfigure_takes_effect_live(app):
     info = _ensure_policy(app, SLOW_POLICY)
     assert info["actor_name"] == before["actor_name"] and info["pid"] == before["pid"]
     assert info["budget"] == 4096
-    # the 300 ms window now gathers 8 requests sent at once into one batch
+    # a lone request now waits out the 300 ms window in the scorer's queue (with no window it waits ~0)
     s0 = _stats()
+    assert _post(app.url + "/v1/systemone", {"state": "alone", "questions": QUESTIONS}).status_code == 200
+    s1 = _stats()
+    assert s1["requests"] - s0["requests"] == 1
+    waited_ms = s1["mean_queue_wait_ms"] * s1["requests"] - s0["mean_queue_wait_ms"] * s0["requests"]
+    assert waited_ms >= 290, waited_ms
+    # and gathers 8 requests sent at once into at most two batches; how they arrive depends on a loaded
+    # machine's scheduling (the first may be taken alone), so the round is repeated up to 3 times
     rng = random.Random(8)
-    rs = asyncio.run(_many(app.url + "/v1/systemone", [{"state": _state(rng), "questions": QUESTIONS}
-                                                       for _ in range(8)]))
-    assert all(r.status_code == 200 for r in rs)
-    sizes = _new_batch_sizes(s0, _stats())
-    assert sum(sizes.values()) <= 2 and max(sizes) >= 4, sizes
+    tries = []
+    for _ in range(3):
+        s0 = _stats()
+        rs = asyncio.run(_many(app.url + "/v1/systemone", [{"state": _state(rng), "questions": QUESTIONS}
+                                                           for _ in range(8)]))
+        assert all(r.status_code == 200 for r in rs)
+        tries.append(sizes := _new_batch_sizes(s0, _stats()))
+        if sum(sizes.values()) <= 2 and max(sizes) >= 4:
+            break
+    else:
+        raise AssertionError("8 requests at once never shared at most two batches: %s" % tries)
 
 
 def test_poison_request_fails_alone_and_its_batch_is_answered(app, engine):
@@ -377,11 +390,11 @@ def test_cuda_oom_halves_the_budget_and_loses_no_request(app, engine):
     assert info["budget"] > OOM_LIMIT
     rng = random.Random(10)
     questions = dict(QUESTIONS, **{"%s_again" % k: v for k, v in QUESTIONS.items()})
-    states = [OOM_TRIGGER + " " + " ".join(rng.choice(WORDS) for _ in range(400)) for _ in range(24)]
+    states = [OOM_TRIGGER + " " + " ".join(rng.choice(WORDS) for _ in range(400)) for _ in range(8)]
     rows = engine.encode(states[0], engine.prepare(questions)).rows
     assert len(rows) * max(len(r) for r in rows) > OOM_LIMIT
     rs = asyncio.run(_many(app.url + "/v1/systemone", [{"state": s, "questions": questions} for s in states]))
-    assert [r.status_code for r in rs] == [200] * 24, [r.text for r in rs if r.status_code != 200][:2]
+    assert [r.status_code for r in rs] == [200] * 8, [r.text for r in rs if r.status_code != 200][:2]
     for r, s in zip(rs, states):
         assert_same_result(r.json(), engine.predict(s, questions))
     after = _info()
@@ -417,6 +430,12 @@ def test_queue_full_is_503_with_retry_after(app):
 
 def test_metrics_are_exported(app):
     """Our Serve metrics reach the Prometheus endpoint, with requests counted by route and status."""
+    def answered(text: str) -> float:  # 200s on the route, summed over label sets (checkpoint, replica)
+        return sum(float(x.rsplit(" ", 1)[1]) for x in text.splitlines()
+                   if x.startswith("ray_laya_fleet_requests_total{") and 'route="/v1/systemone"' in x
+                   and 'status="200"' in x)
+
+    before = answered(httpx.get(app.metrics, timeout=10).text)
     for _ in range(3):
         assert _post(app.url + "/v1/systemone", {"state": "metrics", "questions": QUESTIONS}).status_code == 200
     assert _post(app.url + "/v1/systemone", {"state": "x" * 50_001, "questions": QUESTIONS}).status_code == 413
@@ -437,15 +456,14 @@ def test_metrics_are_exported(app):
     def scrape():
         text = httpx.get(app.metrics, timeout=10).text
         missing[:] = [w for w in want if w not in text]
+        if answered(text) < before + 3:  # Ray exports on an interval: the new counts come a little later
+            missing.append("3 more 200s than the %g before" % before)
         return None if missing else text
 
     try:
-        text = wait_for(scrape, 60, interval=2, what="metrics export")
+        wait_for(scrape, 60, interval=2, what="metrics export")
     except AssertionError:
         raise AssertionError("not exported: %s" % missing) from None
-    line = next(x for x in text.splitlines() if x.startswith("ray_laya_fleet_requests_total{")
-                and 'route="/v1/systemone"' in x and 'status="200"' in x)
-    assert float(line.rsplit(" ", 1)[1]) >= 3
 
 
 def test_killed_scorer_replica_is_replaced_and_service_answers_again(app):
