@@ -44,8 +44,8 @@ serve: setup checkpoint
 
 # The suite runs as four pytest processes, each holding one kind of Ray:
 # - SESSION_RAY_TESTS share the session's in-process local Ray (tests/serve_helpers.py's `serve_cluster`);
-# - OFFLINE_RAY_TESTS start `ray start --head` clusters of their own and attach this process to them as their
-#   driver, which a process attached to the session's Ray cannot (they skip there);
+# - OFFLINE_RAY_TESTS share one `ray start --head` cluster of their own (conftest.py `cluster`), this process its
+#   driver, which a process attached to the session's Ray cannot be (they skip there);
 # - OWN_RAY_TESTS start Ray in child processes (`serve run` with direct ingress or behind HAProxy, `serve run`
 #   beside upstream's laya-serve in tests/upstream_server.py, the README's `ray start`): in one pytest process with
 #   the session's Ray, 2 of 3 full runs with test_serve_direct.py passed every test and then exited 1-2 without a

@@ -95,6 +95,14 @@ def tiny_checkpoint(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def cluster():
+    """A `ray start --head` cluster of the session's own, this process its driver (tests/test_offline_ray.py)."""
+    from tests.test_offline_ray import own_cluster
+
+    yield from own_cluster()
+
+
+@pytest.fixture(scope="session")
 def engine(tiny_checkpoint):
     import model
 

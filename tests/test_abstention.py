@@ -12,7 +12,7 @@ from model import abstention
 
 from .cases import cases
 
-CASES = cases(12, seed=11)
+CASES = cases(8, seed=11)
 GATE_KEYS = ("low_confidence", "abstention", "abstention_threshold")
 
 

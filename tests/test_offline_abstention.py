@@ -30,7 +30,6 @@ from tests.test_offline import (  # noqa: F401 - one_thread is a fixture
     one_thread,
     write_questions,
 )
-from tests.test_offline_ray import cluster  # noqa: F401 - a fixture
 
 GATE_KEYS = ("abstention", "abstention_threshold", "low_confidence")
 
@@ -130,7 +129,7 @@ def test_gated_stages_add_columns_equal_to_predict_batch(tiny_checkpoint, engine
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("one_thread")
-def test_min_confidence_on_a_ray_data_pipeline(cluster, tmp_path, tiny_checkpoint, engine):  # noqa: F811 - the fixture
+def test_min_confidence_on_a_ray_data_pipeline(cluster, tmp_path, tiny_checkpoint, engine):
     """The CLI on a real local Ray cluster with a per-bucket map: every row of every file, the ungated schema as a
     prefix of the output schema, the abstention columns equal to Engine.predict_batch's gate."""
     from tests.test_offline_ray import QUESTIONS as QS

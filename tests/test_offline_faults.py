@@ -22,7 +22,6 @@ import pytest
 
 from serve_app import offline
 from tests.test_offline import EXAMPLE_QUESTIONS, expected_error, make_json_inputs
-from tests.test_offline_ray import cluster  # noqa: F401 - a fixture
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAX_LEN = 128
@@ -120,7 +119,7 @@ def outputs_match_inputs(inputs: list[str], out) -> int:
 
 
 @pytest.mark.slow
-def test_skip_bad_files_scores_the_good_ones(cluster, tmp_path, capsys, tiny_checkpoint, inputs):  # noqa: F811
+def test_skip_bad_files_scores_the_good_ones(cluster, tmp_path, capsys, tiny_checkpoint, inputs):
     wrong_typed(str(tmp_path / "in" / "part-05.parquet"), n=12)
     truncated(inputs[0], str(tmp_path / "in" / "part-07.parquet"))
     out = tmp_path / "out"
@@ -146,7 +145,7 @@ def corrupt_data_page(path: str) -> None:
 
 
 @pytest.mark.slow
-def test_failed_job_leaves_nothing_that_blocks_the_next_run(cluster, tmp_path, capsys, tiny_checkpoint):  # noqa: F811
+def test_failed_job_leaves_nothing_that_blocks_the_next_run(cluster, tmp_path, capsys, tiny_checkpoint):
     paths = make_json_inputs(str(tmp_path / "in"), sizes=(20,))
     good = pq.read_table(paths[0])
     pq.write_table(good, paths[0], compression="none")
@@ -181,7 +180,7 @@ def kill_after_first_file(proc: subprocess.Popen, out, n_files: int, log: str, t
 
 
 @pytest.mark.slow
-def test_sigkilled_driver_rerun_loses_and_duplicates_no_row(cluster, tmp_path, tiny_checkpoint):  # noqa: F811
+def test_sigkilled_driver_rerun_loses_and_duplicates_no_row(cluster, tmp_path, tiny_checkpoint):
     """A driver attached to the cluster is SIGKILLed after its first file: the cluster ends the dead job's
     actors, and a re-run skips the done files and writes every other row exactly once."""
     from ray.util.state import list_actors
