@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 # `make test` runs two lanes of pytest processes with bash's job control (set -m) and waits on both
 SHELL := bash
 
-.PHONY: setup checkpoint serve test lint bench-cpu clean
+.PHONY: setup checkpoint serve test lint clean
 
 # deploy/install.sh: venv, pip, the CPU torch where there is no CUDA, then -e ".[dev]" through constraints.txt
 $(BIN)/.installed: pyproject.toml constraints.txt deploy/install.sh
