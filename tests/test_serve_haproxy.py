@@ -332,6 +332,10 @@ HOSTILE_RAW = [
 ]
 
 
+# the exchanges that wait out a server's 10 s timeout: started together once (`slow_exchanges`), read by their tests
+OVERSTATED = "POST with a body the length overstates"
+
+
 def _base(service, where: str) -> str:
     if where == "haproxy":
         return service.base
@@ -356,7 +360,7 @@ def _json_detail(r: httpx.Response, name: str) -> str:
                          [(n, p, b, JSON_HEADERS, s, d) for n, p, b, s, d in BAD] + HARD,
                          ids=[b[0] for b in BAD] + [h[0] for h in HARD])
 def test_bad_input_on_both_paths_gets_its_status_and_a_clean_detail_then_a_good_request_is_200(
-        service, where, name, path, body, headers, status, detail):
+        service, slow_exchanges, where, name, path, body, headers, status, detail):
     base = _base(service, where)
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
     r = httpx.post(base + "/v1/systemone" + path, content=content, headers=headers, timeout=30)
@@ -405,11 +409,40 @@ def _length(raw: bytes) -> int:
     return 0
 
 
+def _trickle(port: int) -> tuple[bytes, float]:
+    """Headers that never end, on a fresh connection: (the answer, seconds until it came)."""
+    import socket
+
+    t0 = time.monotonic()
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        answer = s.recv(65536)
+    return answer, time.monotonic() - t0
+
+
+@pytest.fixture(scope="module")
+def slow_exchanges(service):
+    """{haproxy, replica: (status, head, body) of the overstated body; trickled: (answer, seconds)} as futures,
+    started side by side in threads when the first hostile-input test runs, so their waits overlap (and others')."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    data = next(d for n, d, _ in HOSTILE_RAW if n == OVERSTATED)
+    pool = ThreadPoolExecutor(3, thread_name_prefix="slow-exchange")
+    futures = {where: pool.submit(_exchange, int(_base(service, where).rsplit(":", 1)[1]), data) for where in PATHS}
+    futures["trickled"] = pool.submit(_trickle, int(service.base.rsplit(":", 1)[1]))
+    yield futures
+    pool.shutdown(wait=True)
+
+
 @pytest.mark.parametrize("where", PATHS)
 @pytest.mark.parametrize("name,data,want", HOSTILE_RAW, ids=[h[0] for h in HOSTILE_RAW])
-def test_malformed_http_on_both_paths_is_refused_and_the_service_goes_on(service, where, name, data, want):
+def test_malformed_http_on_both_paths_is_refused_and_the_service_goes_on(service, slow_exchanges, where, name, data,
+                                                                          want):
     base = _base(service, where)
-    status, head, body = _exchange(int(base.rsplit(":", 1)[1]), data)
+    if name == OVERSTATED:
+        status, head, body = slow_exchanges[where].result(timeout=60)
+    else:
+        status, head, body = _exchange(int(base.rsplit(":", 1)[1]), data)
     assert status == want[where], (name, head[:300], body[:300])
     if status >= 400 and b"application/json" in head.lower():
         detail = json.loads(body)["detail"]
@@ -423,17 +456,10 @@ def test_hostile_tables_hold_over_100_distinct_requests():
     assert len(BAD) + len(HARD) + len(HOSTILE_REQUESTS) + len(HOSTILE_RAW) >= 100
 
 
-def test_trickled_headers_get_haproxys_408_and_leave_the_replica_port_to_the_cluster_network(service):
+def test_trickled_headers_get_haproxys_408_and_leave_the_replica_port_to_the_cluster_network(service, slow_exchanges):
     """HAProxy bounds the time to receive a request's headers (the launcher's `timeout http-request`, 10 s);
     uvicorn behind it has no such bound, which is why replica ports stay inside the cluster network."""
-    import socket
-
-    port = int(service.base.rsplit(":", 1)[1])
-    t0 = time.monotonic()
-    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
-        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
-        answer = s.recv(65536)
-    took = time.monotonic() - t0
+    answer, took = slow_exchanges["trickled"].result(timeout=60)
     assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
     assert 9 <= took <= 20, took
     _good_after(service.base, "trickled headers")
