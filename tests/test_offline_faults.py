@@ -261,7 +261,8 @@ def test_reaper_ends_what_a_killed_driver_started_and_nothing_else(tmp_path):
     driver = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               text=True)
     old = int(driver.stdout.readline())
-    watcher = reaper.start(driver.pid, {old})
+    trace = str(tmp_path / "followed")
+    watcher = reaper.start(driver.pid, {old}, trace=trace)
     driver.stdin.write("\n")
     driver.stdin.flush()
     deadline = time.time() + 10
@@ -269,6 +270,19 @@ def test_reaper_ends_what_a_killed_driver_started_and_nothing_else(tmp_path):
         time.sleep(0.1)
     new = reaper.descendants(driver.pid, frozenset({old, watcher.pid}))
     assert len(new) == 3, new
+
+    def followed() -> set[int]:
+        try:
+            return {int(x) for x in open(trace).read().split()}
+        except OSError:
+            return set()
+
+    # the reaper follows what it has seen in a scan (every 0.5 s): on a loaded machine its first scan can come
+    # after these were started, so the driver dies only once it follows them
+    deadline = time.time() + 30
+    while not new <= followed() and time.time() < deadline:
+        time.sleep(0.1)
+    assert new <= followed(), (new, followed())
     os.kill(driver.pid, signal.SIGKILL)
     driver.wait()
     watcher.wait(10)

@@ -45,8 +45,9 @@ def descendants(root: int, skip: frozenset[int] = frozenset()) -> set[int]:
     return found
 
 
-def watch(driver: int, skip: frozenset[int] = frozenset(), interval: float = 0.5) -> None:
-    """Follow `driver`'s descendants (less the subtrees of `skip`) until it exits, then SIGKILL those still running."""
+def watch(driver: int, skip: frozenset[int] = frozenset(), interval: float = 0.5, trace: str | None = None) -> None:
+    """Follow `driver`'s descendants (less the subtrees of `skip`) until it exits, then SIGKILL those still running.
+    `trace`: a file rewritten after each scan with the pids followed, one per line (what a caller can wait on)."""
     me, seen = os.getpid(), {}
     born = start_time(driver)
     while born is not None and start_time(driver) == born:
@@ -54,6 +55,10 @@ def watch(driver: int, skip: frozenset[int] = frozenset(), interval: float = 0.5
             t = start_time(pid)
             if t is not None:
                 seen[pid] = t
+        if trace:
+            with open(trace + ".tmp", "w") as fh:
+                fh.write("".join("%d\n" % p for p in sorted(seen)))
+            os.replace(trace + ".tmp", trace)
         time.sleep(interval)
     for pid, t in seen.items():
         if start_time(pid) == t:
@@ -63,15 +68,20 @@ def watch(driver: int, skip: frozenset[int] = frozenset(), interval: float = 0.5
                 pass
 
 
-def start(driver: int, skip: set[int] | frozenset[int] = frozenset()) -> subprocess.Popen | None:
+def start(driver: int, skip: set[int] | frozenset[int] = frozenset(),
+          trace: str | None = None) -> subprocess.Popen | None:
     """Start the reaper of `driver`'s processes but the subtrees of `skip` (the children it had before it started
-    Ray), in a session of its own; returns it, or None off Linux."""
+    Ray), in a session of its own; returns it, or None off Linux. `trace`: see `watch`."""
     if not os.path.isdir("/proc/%d" % driver):
         return None
-    return subprocess.Popen([sys.executable, os.path.abspath(__file__), str(driver), *map(str, sorted(skip))],
+    extra = ["--trace", trace] if trace else []
+    return subprocess.Popen([sys.executable, os.path.abspath(__file__), *extra, str(driver), *map(str, sorted(skip))],
                             start_new_session=True,
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 if __name__ == "__main__":
-    watch(int(sys.argv[1]), frozenset(map(int, sys.argv[2:])))
+    args, trace = sys.argv[1:], None
+    if args[:1] == ["--trace"]:
+        trace, args = args[1], args[2:]
+    watch(int(args[0]), frozenset(map(int, args[1:])), trace=trace)
