@@ -202,21 +202,30 @@ def test_every_metric_is_scraped_with_its_labels(app):
     # (checkpoint, route, status) of requests that must be counted; both checkpoints' scorers must report batches
     expected = {(CKPT, ONE, "200"), (CKPT, ONE, "400"), (CKPT, ONE, "413"), (CKPT, ONE, "500"), (CKPT, BATCH, "200"),
                 (CKPT, BATCH, "400"), (ML, ONE, "200"), (BOTH, BATCH, "200")}
+    # the counts the traffic makes (at least: the exact values are checked below); each process exports on its own
+    # interval, so a series can be there before its last increment
+    least = {(CKPT, ONE, "200"): 1 + 5 + 1, (ML, ONE, "200"): 2, (CKPT, BATCH, "200"): 1, (BOTH, BATCH, "200"): 1,
+             (CKPT, ONE, "400"): 1, (CKPT, ONE, "413"): 1}
     missing: list = []
 
     def complete():
         seen.clear()
         seen.update(_scrape(app["metrics"]))
-        counted = set(_by_request(seen.get("ray_laya_fleet_requests_total", [])))
+        counted = _by_request(seen.get("ray_laya_fleet_requests_total", []))
+        timed = _by_request(seen.get("ray_laya_fleet_request_duration_seconds_count", []))
         scored = set(_by_request(seen.get("ray_laya_fleet_forward_seconds_count", []), ("checkpoint",)))
-        missing[:] = [sorted(set(want) - set(seen)), sorted(expected - counted), sorted({(CKPT,), (ML,)} - scored)]
+        short = {k: counted.get(k, 0) for k, n in least.items() if counted.get(k, 0) < n}
+        if timed.get((ML, ONE, "200"), 0) < 2:
+            short["duration count %s" % ((ML, ONE, "200"),)] = timed.get((ML, ONE, "200"), 0)
+        missing[:] = [sorted(set(want) - set(seen)), sorted(expected - set(counted)),
+                      sorted({(CKPT,), (ML,)} - scored), short]
         return not any(missing)
 
     try:
         wait_for(complete, 60, interval=2, what="every laya_fleet series")
     except AssertionError:
         raise AssertionError("not exported: series %s; requests (checkpoint, route, status) %s; scorer batches "
-                             "of %s" % tuple(missing)) from None
+                             "of %s; counts short of the traffic's %s" % tuple(missing)) from None
     for series, name in want.items():
         keys = metrics.NAMES[name][2]
         for labels in seen[series]:

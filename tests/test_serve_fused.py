@@ -156,7 +156,7 @@ def test_two_fused_replicas_per_logical_gpu_serve_and_a_killed_one_is_replaced(s
     # kill one replica under load: the other keeps answering, Serve replaces the dead one
     victim = next(iter(infos))
     load = LoadGen(url, lambda: payloads[rng.randrange(len(payloads))], clients=8, headers=AUTH).start()
-    time.sleep(2.0)
+    wait_for(lambda: len(load.results) >= 5, 60, what="answers before the kill")
     t_kill = time.monotonic()
     ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
 
@@ -169,7 +169,7 @@ def test_two_fused_replicas_per_logical_gpu_serve_and_a_killed_one_is_replaced(s
 
     wait_for(replaced, 120, interval=1.0, what="the killed fused replica replaced")
     t_new = time.monotonic()
-    time.sleep(3.0)
+    wait_for(lambda: sum(t > t_new + 0.5 for t, _, _ in load.results) > 10, 60, what="answers after the replacement")
     results = load.stop()
     before = [st for t, st, _ in results if t < t_kill]
     during = [st for t, st, _ in results if t_kill <= t <= t_new + 0.5]

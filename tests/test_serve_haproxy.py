@@ -85,8 +85,9 @@ class Service:
         return {k for k, v in self.servers().items() if v["status"] == "UP"}
 
     def pids(self, title: str) -> list[int]:
-        """Pids of this service's processes titled `title` (e.g. INGRESS_TITLE)."""
-        return sorted(p for p, t in self.run.processes().items() if t == title)
+        """Pids of this service's processes titled `title` (e.g. INGRESS_TITLE); a Ray worker running a method is
+        titled `title.method` meanwhile."""
+        return sorted(p for p, t in self.run.processes().items() if t == title or t.startswith(title + "."))
 
 
 @pytest.fixture(scope="module")
@@ -175,7 +176,7 @@ def _label(title: str) -> str:
     if not words:
         return "?"
     if words[0].startswith("ray::"):
-        return words[0]
+        return words[0].split(".", 1)[0]  # `ray::Actor.method` while a method runs
     script = next((w for w in words[1:] if w.endswith(".py")), None)
     return os.path.basename(script or words[0])
 
