@@ -156,11 +156,10 @@ def test_a_checkpoint_scaled_to_zero_comes_back_under_load_without_failing_a_req
     try:
         wait_for(lambda: sh.running_replicas("laya", COLD) == 0, 90, what="multilingual scaled to zero")
         assert "multilingual" not in _health(multi.url)["loaded"]
-        t0 = time.monotonic()
         cold = LoadGen(multi.url + "/v1/systemone", lambda: {"state": ZH, "questions": QUESTIONS}, clients=3,
                        headers=AUTH).start()
-        wait_for(lambda: any(s == 200 for _, s, _ in cold.results), 90, what="a multilingual answer")
-        warm_s = time.monotonic() - t0
+        # the cold start's bound (a loaded 2-core machine takes 10-30 s)
+        wait_for(lambda: any(s == 200 for _, s, _ in cold.results), 60, what="a multilingual answer")
         time.sleep(1.0)
         # while the traffic still holds it up (it scales to zero again 2 s after the traffic stops)
         assert sh.running_replicas("laya", COLD) == 1 and "multilingual" in _health(multi.url)["loaded"]
@@ -169,7 +168,6 @@ def test_a_checkpoint_scaled_to_zero_comes_back_under_load_without_failing_a_req
         english_results = english.stop()
     assert {s for _, s, _ in english_results} == {200}, english_results[-5:]
     assert {s for _, s, _ in cold_results} <= {200, 503} and cold_results, cold_results
-    assert warm_s < 90  # the wait above bounds it; a cold start on a loaded 2-core machine takes 10-30 s
 
 
 def test_a_killed_replica_of_one_checkpoint_leaves_the_others_answering(multi):
