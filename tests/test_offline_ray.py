@@ -115,7 +115,7 @@ def data(tmp_path_factory):
 
 
 def run_offline(data, ckpt, out, on_progress=None, **kw):
-    """Run the job in this process (attached to the module's cluster); returns the summary."""
+    """Run the job in this process (attached to the session's `cluster`); returns the summary."""
     cfg = offline.OfflineConfig(input=[os.path.dirname(data["inputs"][0])], output=str(out),
                                 questions=data["questions"], state_column="state_json", json_state=True,
                                 id_column="id", passthrough=["score_in"], checkpoint=ckpt, max_len=MAX_LEN,
