@@ -5,6 +5,7 @@
 #   . bench/gpu_env.sh; BEFORE_COMMIT=abc1234 bash bench/ab_trees.sh .gpu/baseline.tar CKPT OUTDIR [before|after|both]
 set -euo pipefail
 tarball=$1 ckpt=$2 out=$3 which=${4:-both}
+after_commit=${LAYA_FLEET_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}  # before run_tree sets it
 run_tree() {  # $1 tree dir, $2 label, $3 its commit (recorded in the results)
   local dir=$1 label=$2
   export LAYA_FLEET_COMMIT=$3
@@ -23,4 +24,4 @@ if [ "$which" != after ]; then
   rm -rf /tmp/ab_before && mkdir -p /tmp/ab_before && tar -xf "$tarball" -C /tmp/ab_before
   run_tree /tmp/ab_before before "${BEFORE_COMMIT:-baseline}"
 fi
-if [ "$which" != before ]; then run_tree "$PWD" after "${LAYA_FLEET_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"; fi
+if [ "$which" != before ]; then run_tree "$PWD" after "$after_commit"; fi
