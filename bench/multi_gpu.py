@@ -78,6 +78,8 @@ sys.path[:0] = [HERE, REPO]
 from offline import make_data  # noqa: E402
 from serve_load import GpuBusy, Server, free_port, make_payloads, shipped_config, stop_group  # noqa: E402
 
+from serve_app.online.haproxy_launcher import GPU_NODE_ENV  # noqa: E402
+
 QUESTIONS = os.path.join(REPO, "configs", "example_questions.json")
 PROD = os.path.join(REPO, "configs", "prod.yaml")
 APP, INGRESS = "laya", "Ingress"
@@ -119,7 +121,7 @@ def cluster_env(key_env: dict[str, str], direct: int) -> tuple[dict[str, str], d
     lo = port_block(2 * direct)
     ports = {k: free_port() for k in ("haproxy_stats", "haproxy_metrics", "fallback_http", "fallback_grpc")}
     ports.update(direct_http_lo=lo, direct_http_hi=lo + direct - 1)
-    env = dict(NV_ENV, **key_env,
+    env = dict(NV_ENV, **key_env, **GPU_NODE_ENV,
                RAY_SERVE_ENABLE_HA_PROXY="1", RAY_SERVE_HAPROXY_BINARY_PATH=os.path.join(BIN, "laya-fleet-haproxy"),
                RAY_SERVE_HAPROXY_STATS_PORT=str(ports["haproxy_stats"]),
                RAY_SERVE_HAPROXY_METRICS_PORT=str(ports["haproxy_metrics"]),

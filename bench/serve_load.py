@@ -32,6 +32,10 @@ import yaml
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.dirname(sys.executable)
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+from serve_app.online.haproxy_launcher import GPU_NODE_ENV  # noqa: E402  (the cluster environment prod.yaml asks)
+
 QUESTIONS = json.load(open(os.path.join(REPO, "configs", "example_questions.json"), encoding="utf-8"))
 UPSTREAM_MODEL = "bench"
 # a client that gets 503 / 429 waits Retry-After seconds (capped here) before its next request, as clients with
@@ -199,7 +203,7 @@ class FleetServer(Server):
                        RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT=str(lo),
                        RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT=str(lo + 49))
         if haproxy:  # Ray's HAProxy ingress on the HTTP port, as configs/prod.yaml's header says to start it
-            env.update(RAY_SERVE_ENABLE_HA_PROXY="1",
+            env.update(GPU_NODE_ENV, RAY_SERVE_ENABLE_HA_PROXY="1",
                        RAY_SERVE_HAPROXY_BINARY_PATH=os.path.join(BIN, "laya-fleet-haproxy"),
                        RAY_SERVE_HAPROXY_STATS_PORT=str(free_port()), RAY_SERVE_HAPROXY_METRICS_PORT=str(free_port()))
         if extra_env:
@@ -482,11 +486,11 @@ def cpu_share(pids: dict[str, list[int]], before: dict[int, float], after: dict[
               seconds: float) -> dict[str, float]:
     """Cores busy per process kind over `seconds` (ingress: the busiest replica and the sum)."""
     def busy(pid):
-        return (after.get(pid, 0.0) - before.get(pid, 0.0)) / max(seconds, 1e-9)
+        return (after[pid] - before[pid]) / max(seconds, 1e-9)
 
     out = {}
-    for k, group in pids.items():
-        vals = [busy(p) for p in group]
+    for k, group in pids.items():  # a process that ended or began during the level (HAProxy's reloads) is left out
+        vals = [busy(p) for p in group if p in before and p in after]
         if vals:
             out[k] = round(max(vals), 2)
             if len(vals) > 1:
@@ -605,8 +609,8 @@ def run_server(server: Server, payloads: list[dict], levels: list[int], duration
     balanced = getattr(server, "balanced", False)
     url = [u + "/v1/systemone" for u in urls] if urls and not balanced else server.url + "/v1/systemone"
     rows = []
-    pids = serve_pids() if cpu else {}
     for n in levels:
+        pids = serve_pids() if cpu else {}  # per level: HAProxy's pid changes when Ray reloads its config
         procs = 1 if n < 32 else client_procs
         s0 = stats(server.url, headers)
         t0, c0 = time.monotonic(), cpu_seconds(pids)

@@ -123,7 +123,7 @@ def main(argv=None) -> int:
     qs = json.load(open(QUESTIONS))
     res = {"checkpoint": a.checkpoint, "commit": os.environ.get("LAYA_FLEET_COMMIT"), "sizes": []}
     for label, states, nq in SIZES:
-        prepared = eng.prepare(qs[:nq])
+        prepared = eng.prepare(dict(list(qs.items())[:nq]))
         rows = [r for enc in eng.encode_many([STATE] * states, prepared) for r in enc.rows]
         tokens = sum(len(r) for r in rows)
         bucket = eng.backend.engine.bucket_for(tokens, len(rows))

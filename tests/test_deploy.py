@@ -22,6 +22,7 @@ from packaging.utils import canonicalize_name
 from packaging.version import Version
 
 from serve_app import kuberay
+from serve_app.online.haproxy_launcher import GPU_NODE_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILE = (ROOT / "deploy" / "Dockerfile").read_text()
@@ -262,6 +263,7 @@ def test_dockerfile_sets_the_haproxy_environment():
     env = _env()
     assert env["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
     assert env["RAY_SERVE_HAPROXY_BINARY_PATH"] == kuberay.HAPROXY_BINARY
+    assert {k: env[k] for k in GPU_NODE_ENV} == GPU_NODE_ENV  # what the KubeRay pods and benchmarks set too
     # the script of the environment the image installs into
     assert kuberay.HAPROXY_BINARY == "/home/ray/anaconda3/bin/laya-fleet-haproxy"
     assert PYPROJECT["project"]["scripts"]["laya-fleet-haproxy"] == "serve_app.haproxy:main"

@@ -202,6 +202,7 @@ def test_rayservice_pods_have_the_clusters_environment_gpus_and_mounts():
         env = {e["name"]: e for e in c["env"]}
         assert env["RAY_SERVE_ENABLE_HA_PROXY"]["value"] == "1"
         assert env["RAY_SERVE_HAPROXY_BINARY_PATH"]["value"] == kuberay.HAPROXY_BINARY
+        assert env["LAYA_FLEET_HAPROXY_BUSY_POLLING"]["value"] == env["RAY_SERVE_HAPROXY_NBTHREAD"]["value"] == "1"
         assert env["LAYA_FLEET_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "laya-fleet-api-key",
                                                                           "key": "api-key"}
         mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}

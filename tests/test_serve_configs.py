@@ -9,6 +9,7 @@ from pydantic import ValidationError
 from ray.serve.schema import ServeDeploySchema
 
 from serve_app.app import AppArgs, build_app
+from serve_app.online.haproxy_launcher import GPU_NODE_ENV
 from serve_app.online.scorer_deployment import BatchingPolicy
 
 from .serve_helpers import REPO, deployment, load_config
@@ -85,6 +86,7 @@ def test_prod_yaml_is_fused_three_per_gpu_behind_haproxy_with_bounded_admission(
     with open(os.path.join(REPO, "configs", "prod.yaml"), encoding="utf-8") as fh:
         header = fh.read().split("proxy_location")[0]
     assert "RAY_SERVE_ENABLE_HA_PROXY=1" in header and "RAY_SERVE_HAPROXY_BINARY_PATH" in header
+    assert all("%s=%s" % kv in header for kv in GPU_NODE_ENV.items())  # the environment the benchmarks ran
     with open(os.path.join(REPO, "pyproject.toml"), encoding="utf-8") as fh:
         assert 'laya-fleet-haproxy = "serve_app.haproxy:main"' in fh.read()
 

