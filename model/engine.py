@@ -83,6 +83,14 @@ class Engine:
             return self.backend.forward(rows)
         return self.backend.forward(rows, max_tokens=max_tokens)
 
+    def launch(self, rows: Sequence[Row]):
+        """`score(rows)` queued on the device without waiting, for a caller that polls rather than blocks: an
+        object with `ready()` (done, without waiting) and `collect()` (waits; `score`'s result), which the caller
+        must collect. None when the backend cannot (only the fast backend's own class queues one chunk; a wrapper
+        around it, as fault injection installs, is always called through `score`)."""
+        launch = getattr(type(self.backend), "launch", None)
+        return launch(self.backend, rows) if launch is not None else None
+
     def decode(self, prepared: Prepared, enc: EncodedState, logits: np.ndarray, act_p0: np.ndarray) -> dict:
         """The answer JSON for one state from its rows' outputs."""
         return self.codec.decode(prepared, enc, logits, act_p0)

@@ -37,6 +37,22 @@ THROUGHPUT_WITHIN = 0.01   # about the noise of one probe step: closer than this
 GOALS = ("latency", "throughput")
 
 
+POLL_ENV = "LAYA_FLEET_POLL_FORWARD"  # "0": every async forward goes through the forward thread
+
+
+def _env_switch(name: str, default: bool) -> bool:
+    """An on/off environment variable (1/0, true/false, yes/no, on/off; unset or empty: `default`); ValueError
+    naming it for any other value."""
+    v = os.environ.get(name, "").strip().lower()
+    if not v:
+        return default
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("%s must be 1 or 0, got %r" % (name, os.environ[name]))
+
+
 def batch_cost(lengths: Sequence[int], packed: bool) -> int:
     """Tokens a backend computes for rows of these lengths (padding included unless packed)."""
     if not lengths:
@@ -166,6 +182,7 @@ class Scorer:
         if budget_goal not in GOALS:
             raise ValueError("budget_goal must be one of %s, got %r" % (GOALS, budget_goal))
         t0 = time.perf_counter()
+        self.poll_forward = _env_switch(POLL_ENV, True)  # score_rows_async: launch one micro-batch and poll
         self.budget_goal = budget_goal
         self.budget_candidates = tuple(int(b) for b in budget_candidates or ()) or (
             THROUGHPUT_CANDIDATES if budget_goal == "throughput" else BUDGET_CANDIDATES)
@@ -177,6 +194,7 @@ class Scorer:
         self.max_batch_rows = max_batch_rows
         self.stats = ScorerStats()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="laya-forward")
+        self.poll_on_cpu = False  # tests: take the polled path on CPU too (a CPU launch has finished when queued)
         self._budget_lock = threading.Lock()
         self._probe = ((self.engine.device.type == "cuda" if probe_budget is None else bool(probe_budget))
                        and not self._explicit_budget)
@@ -359,9 +377,50 @@ class Scorer:
         return self._executor.submit(self._score_rows, list(rows)).result()
 
     async def score_rows_async(self, rows: Sequence[Row]) -> tuple[np.ndarray, np.ndarray]:
-        """`score_rows` without blocking the event loop."""
+        """`score_rows` without blocking the event loop.
+
+        Rows that make one micro-batch on a backend that can queue its forward without waiting (the fast
+        backend) are launched from the event loop, which then polls for the result between its other callbacks:
+        a lone request wakes no forward thread and the loop is woken by nobody (each hand-off costs a thread
+        wake-up from idle, 0.3 ms a round trip on an H200 host). Everything else runs on the forward thread."""
+        rows = list(rows)
+        out = await self._score_polled(rows)
+        if out is not None:
+            return out
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self._score_rows, list(rows))
+        return await loop.run_in_executor(self._executor, self._score_rows, rows)
+
+    async def _score_polled(self, rows: list[Row]) -> tuple[np.ndarray, np.ndarray] | None:
+        """`_score_rows(rows)` launched here and polled, or None (nothing run) when it cannot be: more than one
+        micro-batch, a backend that cannot queue, a forward already running, or any error while queueing (the
+        forward thread's path then runs the rows and meets the error with its own handling)."""
+        if not rows or not self.poll_forward or (self.engine.device.type != "cuda" and not self.poll_on_cpu):
+            return None
+        pending = plan([len(r) for r in rows], self.budget, self.packed, self.max_batch_rows)
+        if len(pending) != 1:
+            return None
+        (order,) = pending
+        sub = [rows[i] for i in order]
+        t = time.perf_counter()
+        try:
+            launched = self.engine.launch(sub)
+        except Exception:  # noqa: BLE001 - out of memory or bad rows: the forward thread's path handles them
+            return None
+        if launched is None:
+            return None
+        try:
+            while not launched.ready():
+                await asyncio.sleep(0)  # one pass of the loop: its sockets and other callbacks, then look again
+        finally:  # also when cancelled: the launch holds the forward's lock until collected
+            lg, ap = launched.collect()
+        self.stats.forward_s += time.perf_counter() - t
+        self._count([len(r) for r in sub])
+        kmax = max((len(r.markers) for r in rows), default=1)
+        logits = np.full((len(rows), kmax), -1e4, dtype=np.float32)
+        act = np.zeros(len(rows), dtype=np.float32)
+        logits[order, :lg.shape[1]] = lg[:, :kmax]
+        act[order] = ap
+        return logits, act
 
     def _score_rows(self, rows: list[Row]) -> tuple[np.ndarray, np.ndarray]:
         n = len(rows)

@@ -131,3 +131,81 @@ def test_budget_choice_compares_against_the_best_of_all_measured_budgets():
     assert pick_budget(measured, 512, within=0.0) == 65536
     assert pick_budget([(4096, 1.0), (8192, 0.5)], 512) == 4096  # bigger is slower: keep the small one
     assert pick_budget([], 512) == 512  # the first candidate did not fit
+
+
+def test_a_one_micro_batch_call_is_launched_from_the_loop_and_polled(tiny_checkpoint):
+    """`score_rows_async` launches rows that make one micro-batch from the event loop and polls for them (the
+    fast backend, its torch ops here, where a launch has finished when queued): the answers of the forward
+    thread's path, the forward's lock free after, the counters counted. More than one micro-batch, a forward
+    already holding the lock, or a wrapped backend (as fault injection installs) take the forward thread."""
+    import asyncio
+
+    scorer = Scorer(tiny_checkpoint, backend="fast", device="cpu", max_batch_tokens=2048,
+                    backend_options={"ops": "torch", "max_batch_tokens": 2048})
+    scorer.poll_on_cpu = True
+    states, qs = cases(40, seed=3)[12]
+    p = scorer.engine.prepare(qs)
+    rows = [r for e in scorer.engine.encode_many(states * 16, p) for r in e.rows]
+    few = rows[:9]
+    ff = scorer.engine.backend.engine
+    ref_few, ref_all = scorer.score_rows(few), scorer.score_rows(rows)
+    assert sum(len(r) for r in rows) > scorer.budget
+    polled, threaded = [], []
+    real = scorer._score_rows
+    scorer._score_rows = lambda rs: threaded.append(len(rs)) or real(rs)
+    real_polled = scorer._score_polled
+
+    async def spy(rs):
+        out = await real_polled(rs)
+        polled.append(out is not None)
+        return out
+    scorer._score_polled = spy
+
+    async def go():
+        return [await scorer.score_rows_async(few), await scorer.score_rows_async(rows)]
+
+    b0 = scorer.stats.batches
+    (lg, act), (lg_all, act_all) = asyncio.run(go())
+    assert polled == [True, False] and threaded == [len(rows)]
+    np.testing.assert_array_equal(lg, ref_few[0])
+    np.testing.assert_array_equal(act, ref_few[1])
+    np.testing.assert_array_equal(lg_all, ref_all[0])
+    assert scorer.stats.batches - b0 >= 2
+    assert ff._lock.acquire(blocking=False)   # collected: the lock is free (re-entrant: this thread may hold it)
+    ff._lock.release()
+    held = __import__("threading").Event()
+    release = __import__("threading").Event()
+
+    def hold():
+        with ff._lock:
+            held.set()
+            release.wait(10)
+    t = __import__("threading").Thread(target=hold)
+    t.start()
+    held.wait(10)
+    assert scorer.engine.launch(few) is None   # another thread's forward holds the lock: nothing queued
+    release.set()
+    t.join()
+
+    class Wrapper:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+    scorer.engine.backend = Wrapper(scorer.engine.backend)
+    assert scorer.engine.launch(few) is None
+    scorer.close()
+
+
+def test_the_polled_forward_is_switched_by_its_variable(tiny_checkpoint, monkeypatch):
+    from serve_app.scorer import POLL_ENV
+
+    for value, on in (("0", False), ("off", False), ("1", True), ("", True)):
+        monkeypatch.setenv(POLL_ENV, value)
+        s = Scorer(tiny_checkpoint, backend="eager", device="cpu", warmup=False)
+        assert s.poll_forward is on
+        s.close()
+    monkeypatch.setenv(POLL_ENV, "sometimes")
+    with pytest.raises(ValueError, match=POLL_ENV):
+        Scorer(tiny_checkpoint, backend="eager", device="cpu", warmup=False)

@@ -304,6 +304,30 @@ def test_fast_gpu_multi_chunk_forward_is_pipelined_and_exact(fast_gpu, rows):
 
 @gpu
 @needs_tilelang
+def test_fast_gpu_a_launched_forward_equals_the_forward_and_frees_the_lock(fast_gpu, rows):
+    """`launch` queues a one-chunk forward without waiting: polled to done and collected, it equals `forward`
+    bit for bit and the lock is free again; rows of more than one chunk are not launched."""
+    ff = fast_gpu.engine
+    for n in (1, 3, 11, len(rows)):
+        want = fast_gpu.forward(rows[:n])
+        launched = fast_gpu.launch(rows[:n])
+        assert launched is not None
+        while not launched.ready():
+            pass
+        lg, p = launched.collect()
+        np.testing.assert_array_equal(lg, want[0])
+        np.testing.assert_array_equal(p, want[1])
+        assert ff._lock.acquire(blocking=False)
+        ff._lock.release()
+    many, total = [], 0
+    while total <= ff.T_max:
+        many.append(rows[len(many) % len(rows)])
+        total += len(many[-1])
+    assert fast_gpu.launch(many) is None
+
+
+@gpu
+@needs_tilelang
 def test_fast_gpu_graphs_match_eager_kernels(bundle, fast_gpu, rows):
     plain = make_backend(load_model(bundle), bundle, torch.device("cuda"), use_graphs=False, max_batch_tokens=4096)
     la, pa = plain.forward(rows[:11])

@@ -151,6 +151,11 @@ class FastBackend:
         bucket), queued back to back."""
         return self.engine.forward(rows, max_tokens)
 
+    def launch(self, rows: Sequence[Row]):
+        """`forward(rows)` queued without waiting (`forward.Launched`: poll `ready()`, then `collect()`), or None
+        when it takes more than one chunk or another forward is running (see `FastForward.launch`)."""
+        return self.engine.launch(rows)
+
     def warmup(self, max_batch_tokens: int | None = None) -> float:
         """Capture every graph for batches up to max_batch_tokens tokens; returns seconds spent."""
         return self.engine.warmup(max_batch_tokens)

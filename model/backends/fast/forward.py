@@ -9,6 +9,7 @@ also runs on CPU. `kernel_specs` lists what a model of a shape launches, for war
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Sequence
@@ -394,16 +395,63 @@ class ForwardOps:
         if not rows:
             return np.zeros((0, 0), np.float32), np.zeros((0,), np.float32)
         self._check(rows)
-        kmax = max(len(r.markers) for r in rows)
         with self._lock:
             self.stats.forwards += 1
             # every chunk is queued before any is collected: while the GPU runs chunk k the host stages chunk
             # k + 1 (two staging slots; a slot is refilled only after its previous chunk's GPU work is done)
             pending = [self._launch_chunk(c, i % 2) for i, c in enumerate(self._chunks(rows, max_tokens))]
             parts = [self._collect(p) for p in pending]
+        return self._assemble(rows, parts)
+
+    def launch(self, rows: Sequence[Row]) -> Launched | None:
+        """`forward(rows)` queued on the GPU without waiting for it: a `Launched` to poll and collect, which holds
+        the forward's lock until collected. None (nothing queued) when the rows take more than one chunk or
+        another forward holds the lock: `forward` then runs them. The caller must collect what it launched."""
+        rows = list(rows)
+        if not rows:
+            return None
+        self._check(rows)
+        chunks = self._chunks(rows)
+        if len(chunks) != 1 or not self._lock.acquire(blocking=False):
+            return None
+        try:
+            with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
+                self.stats.forwards += 1
+                pending = self._launch_chunk(chunks[0], 0)
+        except BaseException:
+            self._lock.release()
+            raise
+        return Launched(self, rows, pending)
+
+    @staticmethod
+    def _assemble(rows: Sequence[Row], parts: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+        kmax = max(len(r.markers) for r in rows)
         logits = np.full((len(rows), kmax), -1e4, dtype=np.float32)
         pos = 0
         for lg, _ in parts:
             logits[pos:pos + lg.shape[0], :lg.shape[1]] = lg
             pos += lg.shape[0]
         return logits, np.concatenate([p for _, p in parts]).astype(np.float32)
+
+
+class Launched:
+    """A one-chunk forward queued by `ForwardOps.launch`: `ready()` says (without waiting) whether its GPU work is
+    done; `collect()` waits for it, releases the forward's lock and returns `forward`'s (logits, P(action 0)).
+    The lock is re-entrant, held by the launching thread: collect on that thread."""
+
+    def __init__(self, fwd: ForwardOps, rows: list[Row], pending: tuple):
+        self._fwd, self._rows, self._pending = fwd, rows, pending
+        self._out: tuple[np.ndarray, np.ndarray] | None = None
+
+    def ready(self) -> bool:
+        done = self._pending[1]
+        return self._out is not None or done is None or done.query()
+
+    def collect(self) -> tuple[np.ndarray, np.ndarray]:
+        if self._out is None:
+            try:
+                part = self._fwd._collect(self._pending)
+            finally:
+                self._fwd._lock.release()
+            self._out = self._fwd._assemble(self._rows, [part])
+        return self._out
