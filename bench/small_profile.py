@@ -74,22 +74,25 @@ def profile_rows(eng, rows, reps: int = 20) -> dict:
         for _ in range(reps):
             eng.backend.forward(rows)
             torch.cuda.synchronize()
+            time.sleep(0.002)  # a clear gap on the GPU between forwards, which groups their kernels
     events = [e for e in prof.events() if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start]
     events.sort(key=lambda e: e.time_range.start)
-    # forwards are separated by host syncs: a gap over 200 us starts the next forward
+    # forwards are separated by 2 ms sleeps: a gap over 1 ms starts the next forward
     groups, cur = [], []
     for e in events:
-        if cur and e.time_range.start - max(x.time_range.end for x in cur) > 200:
+        if cur and e.time_range.start - max(x.time_range.end for x in cur) > 1000:
             groups.append(cur)
             cur = []
         cur.append(e)
     if cur:
         groups.append(cur)
+    common = statistics.mode(len(g) for g in groups)
+    groups = [g for g in groups if len(g) == common]  # whole forwards only
     order = op_order(eng, rows)
     spans, busy, gaps, counts, by_kind = [], [], [], [], {}
     labelled = 0
     for g in groups:
-        mains = [e for e in g if e.name == "main_kernel"]
+        mains = [e for e in g if "main_kernel" in e.name]
         ops = dict(zip(map(id, mains), order)) if len(mains) == len(order) else {}
         labelled += bool(ops)
         start, end = g[0].time_range.start, max(e.time_range.end for e in g)
@@ -99,7 +102,7 @@ def profile_rows(eng, rows, reps: int = 20) -> dict:
         gaps.append(spans[-1] - b)
         counts.append(len(g))
         for e in g:
-            op = ops.get(id(e), "tilelang" if e.name == "main_kernel" else None)
+            op = ops.get(id(e), "tilelang" if "main_kernel" in e.name else None)
             by_kind.setdefault(label(e.name, op), []).append((e.time_range.end - e.time_range.start) / 1e3)
     n = max(1, len(groups))
     return {"wall_ms": statistics.median(walls), "gpu_span_ms": statistics.median(spans),

