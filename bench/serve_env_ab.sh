@@ -16,7 +16,8 @@ run() {  # $1 label, $2 comma-separated NAME=VALUE list (may be empty)
   python3 bench/serve_load.py --checkpoint "$ckpt" --backend auto --config configs/prod.yaml --levels "$levels" \
       --duration "${DURATION:-4}" --warmup "${WARMUP:-2}" "${args[@]}" --out "$out/serve_env_$1.json" 2>&1 \
       | grep -E "^(server|laya-fleet|Traceback|[A-Za-z]*Error)"
-  [ "${PIPESTATUS[0]}" = 0 ] || echo "[$1] serve_load exited ${PIPESTATUS[0]} (1: a request was refused or failed)"
+  local rc=${PIPESTATUS[0]}
+  [ "$rc" = 0 ] || echo "[$1] serve_load exited $rc (1: a request was refused or failed)"
 }
 run shipped ""
 i=1
