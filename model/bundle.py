@@ -154,9 +154,11 @@ def light_encoder_config(data: dict) -> SimpleNamespace | None:
     return ns
 
 
-def load_tokenizer(path: str) -> Any:
-    """A fast tokenizer from `tokenizer/tokenizer.json`, special tokens from its config files."""
-    from transformers import PreTrainedTokenizerFast
+def load_tokenizer(path: str, cache: bool = True) -> Any:
+    """The tokenizer of `tokenizer/tokenizer.json` with special tokens from its config files: transformers'
+    `PreTrainedTokenizerFast`, behind `model.tokenizer.Tokenizer`, which reads what the codec needs from the
+    node-local cache without importing transformers when an earlier process recorded it (`cache`)."""
+    from . import tokenizer as _tokenizer
 
     tok_dir = os.path.join(path, "tokenizer")
     tok_file = os.path.join(tok_dir, "tokenizer.json")
@@ -178,7 +180,7 @@ def load_tokenizer(path: str) -> Any:
     for key, default in (("cls_token", "[CLS]"), ("sep_token", "[SEP]"), ("pad_token", "[PAD]"),
                          ("mask_token", "[MASK]"), ("unk_token", "[UNK]")):
         special.setdefault(key, default)
-    tok = PreTrainedTokenizerFast(tokenizer_file=tok_file, **special)
+    tok = _tokenizer.load(tok_file, special, cache=cache)
     for key in ("cls_token_id", "sep_token_id", "pad_token_id", "mask_token_id"):
         if getattr(tok, key) is None:
             raise ValueError("Incompatible model: tokenizer in %r has no %s" % (path, key[:-3]))
