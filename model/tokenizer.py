@@ -2,7 +2,7 @@
 
 The codec and the backends read little of transformers' `PreTrainedTokenizerFast`: the Rust tokenizer it builds
 (special tokens added as it adds them) and the special tokens' strings and ids. Importing transformers was most
-of the offline job's checks (1.03 s against 0.09 s without it on the CPU machine, bench/job_checks.py), paid by
+of the offline job's checks (1.12 s against 0.08 s without it on the CPU machine, bench/job_checks.py), paid by
 every process that opens a checkpoint: the offline driver checking a job, each tokenize task and scorer actor,
 each ingress replica. So the first process to open a tokenizer records what it
 built (the Rust tokenizer's JSON and those ids) in the node-local cache, keyed by the tokenizer files' contents
