@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from serve_app.online import kuberay_manifests as kuberay
+from serve_app.online.haproxy_launcher import GPU_NODE_ENV
 
 DATA = Path(__file__).parent / "data" / "kuberay"
 MANIFESTS = {"rayservice": ("rayservice.yaml", "rayservices-v1.schema.yaml"),
@@ -264,7 +265,7 @@ def test_deploy_doc_states_the_manifests_and_prod_yamls_numbers():
     # the environment every pod gets, as the doc writes it
     for c in (h, w):
         env = {e["name"]: e for e in c["env"]}
-        for name in ("RAY_SERVE_ENABLE_HA_PROXY", "RAY_SERVE_HAPROXY_BINARY_PATH"):
+        for name in ("RAY_SERVE_ENABLE_HA_PROXY", "RAY_SERVE_HAPROXY_BINARY_PATH", *GPU_NODE_ENV):
             assert "`%s=%s`" % (name, env[name]["value"]) in text
         ref = env[prod["applications"][0]["args"]["api_key_env"]]["valueFrom"]["secretKeyRef"]
         assert "kubectl create secret generic %s --from-literal=%s=" % (ref["name"], ref["key"]) in text
