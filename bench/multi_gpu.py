@@ -2,8 +2,10 @@
 
 One Ray cluster started here (`ray start --head`, all GPUs, or `--logical-gpus N` on a CPU machine to rehearse),
 with the cluster environment configs/prod.yaml's header asks for: RAY_SERVE_ENABLE_HA_PROXY=1,
-RAY_SERVE_HAPROXY_BINARY_PATH=laya-fleet-haproxy, the bearer key, and ports of this run's own (HAProxy's stats and
-metrics, Serve's fallback proxy, the direct-ingress ranges) so nothing collides with another Serve on the host.
+RAY_SERVE_HAPROXY_BINARY_PATH=laya-fleet-haproxy, one polling HAProxy thread (LAYA_FLEET_HAPROXY_BUSY_POLLING=1,
+RAY_SERVE_HAPROXY_NBTHREAD=1: a busy core, also in a CPU rehearsal), the bearer key, and ports of this run's own
+(HAProxy's stats and metrics, Serve's fallback proxy, the direct-ingress ranges) so nothing collides with another
+Serve on the host.
 Ray's own ports are on loopback (--node-ip-address 127.0.0.1, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0).
 
 1. Serve: `serve run --address <cluster> <prod.yaml>` as shipped except what must change on this machine
