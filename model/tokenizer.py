@@ -17,6 +17,7 @@ import hashlib
 import json
 import logging
 import os
+import threading
 from importlib import metadata
 from typing import Any
 
@@ -114,7 +115,7 @@ def _read(path: str) -> dict | None:
 
 def _write(path: str, rec: dict) -> None:
     """Best effort (a read-only or full cache directory only costs the next process the import)."""
-    tmp = "%s.%d.tmp" % (path, os.getpid())
+    tmp = "%s.%d.%d.tmp" % (path, os.getpid(), threading.get_ident())  # one writer per file, threads included
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(tmp, "w", encoding="utf-8") as fh:
