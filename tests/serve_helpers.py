@@ -364,6 +364,10 @@ class ServeRun:
                                      start_new_session=True)
         try:
             wait_ready(self.base, timeout=self.timeout)
+        except AssertionError as e:  # never ready: say why, from what serve run printed
+            tail = self.log_tail(3000)
+            self.__exit__(None, None, None)
+            raise AssertionError("%s\n--- serve run's output, last 3000 characters ---\n%s" % (e, tail)) from None
         except BaseException:
             self.__exit__(None, None, None)
             raise
