@@ -40,7 +40,6 @@ from .serve_helpers import (  # noqa: E402
     app_config,
     assert_same_result,
     deployment,
-    free_port,
     free_port_range,
     haproxy_servers,
     is_loopback,
@@ -95,7 +94,11 @@ def service(tiny_checkpoint, request):
     """The app behind HAProxy: a `serve run` whose ports (HAProxy's frontend, stats and Prometheus listeners,
     Serve's fallback proxy, the direct-ingress range) are all its own, so other Serve instances on this machine
     (on the default ports) neither collide with it nor answer for it."""
-    ports = {k: free_port() for k in ("http", "stats", "metrics", "fallback_http", "fallback_grpc")}
+    # every port below Linux's ephemeral range, where the serve run's own Ray cannot pick one of them for itself
+    # while it starts (a port taken before HAProxy binds it leaves the service refusing connections)
+    names = ("http", "stats", "metrics", "fallback_http", "fallback_grpc")
+    first = free_port_range(len(names), lo=29000, hi=32700)
+    ports = dict(zip(names, range(first, first + len(names))))
     lo = free_port_range(2 * DIRECT_PORTS)
     direct = (lo, lo + DIRECT_PORTS - 1)
     cfg = app_config(tiny_checkpoint, ports["http"], api_key_env=TEST_KEY_ENV)
