@@ -2,11 +2,11 @@
 
 The block runs in one bash, in a fresh copy of the repository's files (its `.venv` linked to this one), with
 HOME a new empty directory (no `~/.ray/auth_token`: the block's own commands set token auth up) and `python`
-off the PATH unless the block's `. .venv/bin/activate` puts the venv's there. Two things differ from a
-user's shell, both for sharing this machine: `ray start` gets this test's free ports and `--temp-dir`
-appended, and RAY_API_SERVER_ADDRESS points the job CLI at that dashboard (it overrides `--address`); the
-block's `ray stop` (which stops every Ray of the machine) is left out: the test ends its own cluster's
-processes by id.
+off the PATH unless the block's `. .venv/bin/activate` puts the venv's there. Three things differ from a
+user's shell, for sharing this machine: `ray start` gets this test's free ports and `--temp-dir` appended,
+RAY_API_SERVER_ADDRESS points the job CLI at that dashboard (it overrides `--address`), and Ray starts no
+workers ahead of need (conftest.py's RAY_TEST_ENV, as every Ray of the suite); the block's `ray stop` (which
+stops every Ray of the machine) is left out: the test ends its own cluster's processes by id.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import urllib.request
 import pyarrow.parquet as pq
 import pytest
 
+from tests.conftest import RAY_TEST_ENV
 from tests.test_offline_ray import _free_ports
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -124,7 +125,7 @@ def test_readme_job_submit_commands_work_as_written():
                            if p and os.path.realpath(p) != os.path.realpath(venv_bin))
     marker = "LAYA_FLEET_JOB_SUBMIT_TEST=%s" % tmp
     env = {"HOME": home, "PATH": path, "LANG": "C.UTF-8", "RAY_API_SERVER_ADDRESS": "http://127.0.0.1:%d" % dash,
-           marker.split("=")[0]: tmp}
+           marker.split("=")[0]: tmp, **RAY_TEST_ENV}
     out_log, err_log = os.path.join(tmp, "stdout.log"), os.path.join(tmp, "stderr.log")
     try:
         # output to files, so a run past the limit still shows how far it got (and the job's own state)
