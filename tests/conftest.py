@@ -24,8 +24,12 @@ torch.set_num_threads(_torch_threads())
 
 # Every Ray the tests start (in-process, `ray start`, `serve run` children inherit the environment) starts
 # workers when a task or actor needs one rather than a pool up front: on a 2-core machine the prestarted
-# workers' imports took a quarter of the offline Ray tests' time (316 s -> 236 s with these off).
-RAY_TEST_ENV = {"RAY_enable_worker_prestart": "0", "RAY_prestart_worker_first_driver": "0"}
+# workers' imports took a quarter of the offline Ray tests' time (316 s -> 236 s with these off). A proxy
+# actor then starts in a new process, and beside the other lane of `make test` Serve once found the starting
+# HAProxyManager unhealthy (5 s ready check), killed it, and `serve run` exited: the checks get 30 s, HAProxy
+# 120 s to come up.
+RAY_TEST_ENV = {"RAY_enable_worker_prestart": "0", "RAY_prestart_worker_first_driver": "0",
+                "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "30", "RAY_SERVE_HAPROXY_STARTUP_TIMEOUT_S": "120"}
 for _k, _v in RAY_TEST_ENV.items():
     os.environ.setdefault(_k, _v)
 
