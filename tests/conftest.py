@@ -23,8 +23,8 @@ def _torch_threads() -> int:
 torch.set_num_threads(_torch_threads())
 
 # Every Ray the tests start (in-process, `ray start`, `serve run` children inherit the environment) starts
-# workers when a task or actor needs one rather than a pool up front: on a 2-core machine the prestarted
-# workers' imports took a quarter of the offline Ray tests' time (316 s -> 236 s with these off). A proxy
+# workers when a task or actor needs one rather than a pool up front: on a 2-core machine the offline Ray
+# tests, run alone, took 316 s with the prestarted pool and 236 s without it. A proxy
 # actor then starts in a new process, and beside the other lane of `make test` Serve once found the starting
 # HAProxyManager unhealthy (5 s ready check), killed it, and `serve run` exited: the checks get 30 s, HAProxy
 # 120 s to come up.
