@@ -51,8 +51,8 @@ serve: setup checkpoint
 #   the session's Ray, 2 of 3 full runs with test_serve_direct.py passed every test and then exited 1-2 without a
 #   summary (unexplained);
 # - the rest need no Ray.
-# Two at a time, side by side (the tests wait on Ray, HTTP and child processes much of the time; two keep both
-# cores of a laptop busy), each with one torch thread (two threads of one process on a core the other process
+# Two at a time, side by side (the rest is one busy process; Ray's groups use 0.7-0.85 of two cores alone, and
+# the two lanes keep a 2-core machine about 97% busy), each with one torch thread (two threads of one process on a core the other process
 # uses wait on each other): the rest then OWN_RAY_TESTS, beside SESSION_RAY_TESTS then OFFLINE_RAY_TESTS, whose
 # output follows. `make test` fails if any of the four did; an interrupt stops both lanes.
 SESSION_RAY_TESTS := tests/test_metrics.py tests/test_serve.py tests/test_serve_autoscale.py \

@@ -4,9 +4,10 @@ The block runs in one bash, in a fresh copy of the repository's files (its `.ven
 HOME a new empty directory (no `~/.ray/auth_token`: the block's own commands set token auth up) and `python`
 off the PATH unless the block's `. .venv/bin/activate` puts the venv's there. Three things differ from a
 user's shell, for sharing this machine: `ray start` gets this test's free ports and `--temp-dir` appended,
-RAY_API_SERVER_ADDRESS points the job CLI at that dashboard (it overrides `--address`), and Ray starts no
-workers ahead of need (conftest.py's RAY_TEST_ENV, as every Ray of the suite); the block's `ray stop` (which
-stops every Ray of the machine) is left out: the test ends its own cluster's processes by id.
+RAY_API_SERVER_ADDRESS points the job CLI at that dashboard (it overrides `--address`), and Ray gets
+conftest.py's RAY_TEST_ENV like every Ray of the suite (workers on demand, longer proxy start-up checks); the
+block's `ray stop` (which stops every Ray of the machine) is left out: the test ends its own cluster's
+processes by id.
 """
 
 from __future__ import annotations
