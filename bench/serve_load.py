@@ -174,9 +174,11 @@ class FleetServer(Server):
     name = "laya-fleet"
 
     def __init__(self, config: dict | str, log_path: str, ready_timeout: float = 300.0, address: str | None = None,
-                 direct: bool = False, extra_env: dict | None = None, haproxy: bool = False):
+                 direct: bool = False, extra_env: dict | None = None, haproxy: bool = False,
+                 keep_logs: str | None = None):
         super().__init__(log_path)
         self._tmp = None
+        self.keep_logs = keep_logs  # a folder for the Serve logs' tails when stopped (`save_serve_logs`)
         if isinstance(config, str):  # a config file, run as is
             path = config
             with open(path, encoding="utf-8") as fh:
@@ -225,9 +227,32 @@ class FleetServer(Server):
             raise
 
     def stop(self) -> None:
+        if self.keep_logs and self.proc is not None:
+            save_serve_logs(self.keep_logs)
         super().stop()
         if self._tmp and os.path.exists(self._tmp[1]):
             os.unlink(self._tmp[1])
+
+
+def save_serve_logs(dest: str, tail_bytes: int = 65536, root: str | None = None) -> None:
+    """The tail of each Serve log (controller, replicas, proxies, HAProxy) and of the raylet's, from the newest
+    local Ray session (or the logs folder `root`), into `dest`: a GPU host's run keeps only what its command
+    writes under $OUT."""
+    root = root or os.path.join(tempfile.gettempdir(), "ray", "session_latest", "logs")
+    names = [os.path.join("serve", n) for n in sorted(os.listdir(os.path.join(root, "serve")))] \
+        if os.path.isdir(os.path.join(root, "serve")) else []
+    names += [n for n in ("raylet.out", "raylet.err", "gcs_server.out") if os.path.exists(os.path.join(root, n))]
+    os.makedirs(dest, exist_ok=True)
+    for n in names:
+        src = os.path.join(root, n)
+        try:
+            with open(src, "rb") as fh:
+                fh.seek(max(0, os.path.getsize(src) - tail_bytes))
+                data = fh.read()
+        except OSError:
+            continue
+        with open(os.path.join(dest, n.replace(os.sep, "_")), "wb") as out:
+            out.write(data)
 
 
 class UpstreamServer(Server):
@@ -467,6 +492,16 @@ def serve_pids() -> dict[str, list[int]]:
     return out
 
 
+def replica_changes(before: dict[str, list[int]], after: dict[str, list[int]]) -> dict[str, dict[str, list[int]]]:
+    """Replica pids (ingress, scorer) that ended or began between two `serve_pids` readings, per kind."""
+    out = {}
+    for k in ("ingress", "scorer"):
+        b, a = set(before.get(k, [])), set(after.get(k, []))
+        if a != b:
+            out[k] = {"gone": sorted(b - a), "new": sorted(a - b)}
+    return out
+
+
 def cpu_seconds(pids: dict[str, list[int]]) -> dict[int, float]:
     """User + system CPU seconds so far of each pid."""
     tick = os.sysconf("SC_CLK_TCK")
@@ -621,6 +656,10 @@ def run_server(server: Server, payloads: list[dict], levels: list[int], duration
             row["gpu_busy_pct"] = gpu.busy_pct
         if pids:
             row["cpu_cores"] = cpu_share(pids, c0, cpu_seconds(pids), took)
+            changed = replica_changes(pids, serve_pids())
+            if changed:  # a replica died or was added: the per-replica figures above miss the new ones
+                row["replicas_changed"] = changed
+                print("!! %d clients: replica processes changed during the level: %s" % (n, changed), flush=True)
         scorer = batching_delta(s0, stats(server.url, headers), took)
         if scorer:
             row["scorer"] = scorer
@@ -737,7 +776,8 @@ def config_runs(args, payloads: list[dict], levels: list[int], logs: str, procs:
         fused = app_args.get("topology") == "fused"
         hdr = {"Authorization": "Bearer " + next(iter(key_env.values()))} if key_env else None
         with FleetServer(cfg, logs + ".config%s.log" % (rpg or ""), direct=direct, haproxy=haproxy,
-                         extra_env=dict(key_env, **cluster_env)) as srv:
+                         extra_env=dict(key_env, **cluster_env),
+                         keep_logs=os.path.splitext(args.out)[0] + ".serve-logs%s" % (rpg or "")) as srv:
             srv.name = "laya-fleet (%s%s%s%s)" % (
                 os.path.basename(args.config), ", HAProxy" if haproxy else ", direct ingress" if direct else "",
                 ", %d per GPU (not as shipped)" % rpg if rpg else "",

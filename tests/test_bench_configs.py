@@ -46,3 +46,23 @@ def test_the_local_rows_config_serves_one_checkpoint(tiny_checkpoint):
     AppArgs.model_validate(app["args"])
     assert not app["args"].get("checkpoints") and [d["name"] for d in app["deployments"]] == ["Ingress", "Scorer"]
     assert _dirs(app["args"]) == [os.path.abspath(tiny_checkpoint)]
+
+
+def test_replica_changes_name_the_replicas_that_ended_and_began():
+    before = {"ingress": [11, 12, 13], "scorer": [], "haproxy": [5]}
+    assert serve_load.replica_changes(before, {"ingress": [11, 12, 13], "scorer": [], "haproxy": [6]}) == {}
+    after = {"ingress": [11, 13, 14], "scorer": [20]}
+    assert serve_load.replica_changes(before, after) == {"ingress": {"gone": [12], "new": [14]},
+                                                         "scorer": {"gone": [], "new": [20]}}
+
+
+def test_saved_serve_logs_are_the_tails_of_the_sessions_logs(tmp_path):
+    root = tmp_path / "logs"
+    (root / "serve").mkdir(parents=True)
+    (root / "serve" / "controller_1.log").write_bytes(b"x" * 5000 + b"the end\n")
+    (root / "raylet.out").write_text("raylet line\n")
+    dest = tmp_path / "kept"
+    serve_load.save_serve_logs(str(dest), tail_bytes=100, root=str(root))
+    kept = (dest / "serve_controller_1.log").read_bytes()
+    assert len(kept) == 100 and kept.endswith(b"the end\n")
+    assert (dest / "raylet.out").read_text() == "raylet line\n"
