@@ -274,7 +274,8 @@ class Scorer:
         within 5% of the best keeps batches, and so queueing latency, short when a bigger one would not pay.
         `throughput`: candidates in decreasing order (the graph pool is sized once), each scored as calls of two
         chunks of `probe_lengths` rows on a backend that cuts its own chunks, as an offline call runs; an
-        out-of-memory skips to the next smaller; the smallest within noise (1%) of the best is the forward's best.
+        out-of-memory skips to the next smaller; the smallest within noise (1%) of the best is the forward's best,
+        and the search stops at the first budget below that.
         """
         throughput = self.budget_goal == "throughput"
         chunked = self.engine.backend.chunk_tokens is not None
@@ -301,8 +302,11 @@ class Scorer:
                      "%.1f GiB" % (peak / 2**30) if peak is not None else "n/a")
             measured.append((budget, tps))
             near_limit = bool(peak and total and peak > 0.8 * total)
-            if tps < 0.9 * max(t for _, t in measured) or (near_limit and not throughput):
+            best = max(t for _, t in measured)
+            if tps < 0.9 * best or (near_limit and not throughput):
                 break  # past the peak, or near the memory limit: further budgets only cost warm-up time
+            if throughput and tps < (1.0 - THROUGHPUT_WITHIN) * best:
+                break  # smaller chunks only leave the GPU idler: none of them would be picked
         self.stats.budget_probe = {str(b): round(t) for b, t in measured}
         return pick_budget(measured, MIN_BUDGET * 8, THROUGHPUT_WITHIN if throughput else 0.05)
 

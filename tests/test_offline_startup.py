@@ -16,6 +16,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 from serve_app import offline
 from serve_app.offline.score import ScoreStage, process_started_at
@@ -36,6 +37,32 @@ def test_throughput_goal_lands_on_the_forwards_best():
     assert pick_budget([(65536, 660e3), (131072, 663e3)], 512, THROUGHPUT_WITHIN) == 65536
     assert pick_budget([(65536, 600e3), (131072, 663e3)], 512, THROUGHPUT_WITHIN) == 131072
     assert pick_budget([], 512, THROUGHPUT_WITHIN) == 512
+
+
+def test_the_throughput_search_stops_at_the_first_budget_below_the_best(tiny_checkpoint, monkeypatch):
+    """Largest first; a budget more than the noise below the best ends the search (the H200's shape: 16384 is
+    never run), an out-of-memory skips to the next smaller."""
+    s = Scorer(tiny_checkpoint, backend="eager", device="cpu", warmup=False, budget_goal="throughput",
+               budget_candidates=[b for b, _ in H200])
+    try:
+        ran = []
+        rates = dict(H200)
+
+        def rate(budget, chunked):
+            ran.append(budget)
+            if budget == 131072 and oom:
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+            return rates[budget]
+
+        monkeypatch.setattr(s, "_probe_rate", rate)
+        oom = False
+        assert s._choose_budget() == 65536 and ran == [131072, 65536, 32768]
+        ran.clear()
+        oom = True
+        rates[32768] = 655e3  # within 1% of 65536's 660k: the search goes on, and the smaller one wins
+        assert s._choose_budget() == 32768 and ran == [131072, 65536, 32768, 16384]
+    finally:
+        s.close()
 
 
 def test_probe_rows_follow_the_job_lengths():
