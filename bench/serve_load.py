@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import io
 import json
 import os
 import random
@@ -23,6 +24,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from typing import Any
@@ -178,7 +180,7 @@ class FleetServer(Server):
                  keep_logs: str | None = None):
         super().__init__(log_path)
         self._tmp = None
-        self.keep_logs = keep_logs  # a folder for the Serve logs' tails when stopped (`save_serve_logs`)
+        self.keep_logs = keep_logs  # a .tar.gz for the Serve logs' tails when stopped (`save_serve_logs`)
         if isinstance(config, str):  # a config file, run as is
             path = config
             with open(path, encoding="utf-8") as fh:
@@ -236,23 +238,25 @@ class FleetServer(Server):
 
 def save_serve_logs(dest: str, tail_bytes: int = 65536, root: str | None = None) -> None:
     """The tail of each Serve log (controller, replicas, proxies, HAProxy) and of the raylet's, from the newest
-    local Ray session (or the logs folder `root`), into `dest`: a GPU host's run keeps only what its command
-    writes under $OUT."""
+    local Ray session (or the logs folder `root`), into the one gzipped tar `dest`: a GPU host's run keeps only
+    what its command writes under $OUT, and only a few files of it."""
     root = root or os.path.join(tempfile.gettempdir(), "ray", "session_latest", "logs")
     names = [os.path.join("serve", n) for n in sorted(os.listdir(os.path.join(root, "serve")))] \
         if os.path.isdir(os.path.join(root, "serve")) else []
     names += [n for n in ("raylet.out", "raylet.err", "gcs_server.out") if os.path.exists(os.path.join(root, n))]
-    os.makedirs(dest, exist_ok=True)
-    for n in names:
-        src = os.path.join(root, n)
-        try:
-            with open(src, "rb") as fh:
-                fh.seek(max(0, os.path.getsize(src) - tail_bytes))
-                data = fh.read()
-        except OSError:
-            continue
-        with open(os.path.join(dest, n.replace(os.sep, "_")), "wb") as out:
-            out.write(data)
+    os.makedirs(os.path.dirname(os.path.abspath(dest)), exist_ok=True)
+    with tarfile.open(dest, "w:gz") as tar:
+        for n in names:
+            src = os.path.join(root, n)
+            try:
+                with open(src, "rb") as fh:
+                    fh.seek(max(0, os.path.getsize(src) - tail_bytes))
+                    data = fh.read()
+            except OSError:
+                continue
+            info = tarfile.TarInfo(n.replace(os.sep, "_"))
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
 
 
 class UpstreamServer(Server):
@@ -777,7 +781,7 @@ def config_runs(args, payloads: list[dict], levels: list[int], logs: str, procs:
         hdr = {"Authorization": "Bearer " + next(iter(key_env.values()))} if key_env else None
         with FleetServer(cfg, logs + ".config%s.log" % (rpg or ""), direct=direct, haproxy=haproxy,
                          extra_env=dict(key_env, **cluster_env),
-                         keep_logs=os.path.splitext(args.out)[0] + ".serve-logs%s" % (rpg or "")) as srv:
+                         keep_logs=os.path.splitext(args.out)[0] + ".serve-logs%s.tar.gz" % (rpg or "")) as srv:
             srv.name = "laya-fleet (%s%s%s%s)" % (
                 os.path.basename(args.config), ", HAProxy" if haproxy else ", direct ingress" if direct else "",
                 ", %d per GPU (not as shipped)" % rpg if rpg else "",

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import os
 import sys
+import tarfile
 
 import yaml
 
@@ -61,8 +62,10 @@ def test_saved_serve_logs_are_the_tails_of_the_sessions_logs(tmp_path):
     (root / "serve").mkdir(parents=True)
     (root / "serve" / "controller_1.log").write_bytes(b"x" * 5000 + b"the end\n")
     (root / "raylet.out").write_text("raylet line\n")
-    dest = tmp_path / "kept"
+    dest = tmp_path / "kept" / "serve-logs.tar.gz"
     serve_load.save_serve_logs(str(dest), tail_bytes=100, root=str(root))
-    kept = (dest / "serve_controller_1.log").read_bytes()
-    assert len(kept) == 100 and kept.endswith(b"the end\n")
-    assert (dest / "raylet.out").read_text() == "raylet line\n"
+    with tarfile.open(dest) as tar:
+        assert sorted(tar.getnames()) == ["raylet.out", "serve_controller_1.log"]
+        kept = tar.extractfile("serve_controller_1.log").read()
+        assert len(kept) == 100 and kept.endswith(b"the end\n")
+        assert tar.extractfile("raylet.out").read() == b"raylet line\n"
