@@ -184,6 +184,67 @@ def test_every_replica_backend_keeps_a_client_on_its_last_replica(tmp_path):
     assert "option prefer-last-server" in sections["http-other"]
     assert "option prefer-last-server" not in sections["default_backend"]
     assert haproxy.rewrite(out).count("option prefer-last-server") == 2  # rewriting twice adds nothing
+    # Ray's pooled server connections replaced, and the backend without a reuse line given one
+    assert "http-reuse always" not in out and "http-reuse never" in sections["http-laya"]
+    assert "http-reuse never" in sections["http-other"] and "http-reuse" not in sections["default_backend"]
+    assert haproxy.rewrite(out) == out
+
+
+def _answers_as(name: bytes, delay_s: float):
+    """A replica that answers every request on its connection with its own name, after `delay_s`."""
+    import time
+
+    def handler(conn):
+        with conn:
+            try:
+                while _read_request(conn):
+                    time.sleep(delay_s)
+                    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\nContent-Type: text/plain\r\n\r\n%s"
+                                 % (len(name), name))
+            except OSError:  # HAProxy stopped at the end of the test
+                pass
+    return handler
+
+
+def test_a_lone_client_stays_on_one_replica_and_concurrent_clients_spread(tmp_path):
+    """Through the real HAProxy running the rewritten config (Ray's leastconn and `http-reuse always`), three
+    replicas: one keep-alive client's requests, one after another, all reach one replica (Ray's config alone
+    rotates them over every replica); three clients sending at once reach all three."""
+    import threading
+
+    import httpx
+
+    served = [_serve(_answers_as(b"r%d" % i, 0.05)) for i in range(3)]
+    port = _free_port()
+    config = RAY_CONFIG.format(sock=tmp_path / "admin.sock", metrics=_free_port(), http=port, stats=_free_port(),
+                               host="127.0.0.1")
+    config = config.replace("    server SERVE_REPLICA_laya-Ingress-1 127.0.0.1:30000 check\n", "".join(
+        "    server r%d 127.0.0.1:%d\n" % (i, p) for i, (p, _) in enumerate(served)))
+    path = tmp_path / "haproxy.cfg"
+    path.write_text(haproxy.rewrite(config))
+    proc = _start_haproxy(path, port)
+    try:
+        with httpx.Client(base_url="http://127.0.0.1:%d" % port, timeout=30) as client:
+            alone = {client.post("/v1/systemone", json={"i": i}).text for i in range(12)}
+        assert len(alone) == 1, alone
+        together: list[set] = [set() for _ in range(3)]
+
+        def run(k):
+            with httpx.Client(base_url="http://127.0.0.1:%d" % port, timeout=30) as client:
+                for i in range(6):
+                    together[k].add(client.post("/v1/systemone", json={"i": i}).text)
+
+        threads = [threading.Thread(target=run, args=(k,)) for k in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert set().union(*together) == {"r0", "r1", "r2"}, together
+    finally:
+        proc.kill()
+        proc.wait(10)
+        for _, sock in served:
+            sock.close()
 
 
 def _start_haproxy(path, port: int) -> subprocess.Popen:

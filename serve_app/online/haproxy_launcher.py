@@ -10,9 +10,13 @@ Pointing `RAY_SERVE_HAPROXY_BINARY_PATH` at this command (in the cluster's envir
   service bound to 127.0.0.1 (configs/local.yaml) opens nothing beyond the machine;
 - `timeout http-request` bounds the time to receive a request's headers (HEADER_TIMEOUT_S): a client that
   trickles its headers gets HAProxy's 408 instead of holding a connection;
-- every replica backend gets `option prefer-last-server`: a keep-alive client's next request goes to the
-  replica that answered its last one while that replica has room. `leastconn` alone rotates a lone client
-  over every replica sharing a GPU, and each switch costs a GPU context switch (BENCHMARKS.md, HTTP serving);
+- every replica backend gets `option prefer-last-server` and `http-reuse never`: a keep-alive client's next
+  request goes to the replica that answered its last one while that replica has room. `leastconn` alone
+  rotates a lone client over every replica sharing a GPU, and each switch costs a GPU context switch and cold
+  caches (BENCHMARKS.md, HTTP serving); Ray's `http-reuse always` pools the server connections, so HAProxy
+  holds no "last server" for a client and the option did nothing (a lone client went round-robin). With
+  `never` each client connection keeps a server connection of its own; concurrent requests still spread by
+  `leastconn`, a client without keep-alive pays one loopback connect to the replica per request;
 - Ray's default `retry-on conn-failure` becomes `retry-on conn-failure empty-response`: a request HAProxy
   sends over a kept-alive connection to a replica that has just died gets no byte back, and HAProxy then
   drops the client's connection without an answer. Scoring has no side effects, so the request is sent
@@ -102,10 +106,10 @@ def rewrite(config: str, header_timeout_s: int = HEADER_TIMEOUT_S, retry_on_set:
             error_dir: str | None = None, busy_polling: bool | None = None) -> str:
     """`config` (Ray's generated HAProxy config) with the stats and metrics listeners on the HTTP frontend's
     address when that is loopback, a header-read timeout in `defaults` unless one is set,
-    `option prefer-last-server` in every replica backend, and replays of requests a dead replica dropped
-    unless `retry_on_set` (default: whether RAY_SERVE_HAPROXY_RETRY_ON is in the environment); with `error_dir`,
-    HAProxy's own 5xx answers are the JSON page of error_files(error_dir); `busy_polling` (default:
-    busy_polling_env()) adds `busy-polling` to `global`."""
+    `option prefer-last-server` and `http-reuse never` in every replica backend, and replays of requests a
+    dead replica dropped unless `retry_on_set` (default: whether RAY_SERVE_HAPROXY_RETRY_ON is in the
+    environment); with `error_dir`, HAProxy's own 5xx answers are the JSON page of error_files(error_dir);
+    `busy_polling` (default: busy_polling_env()) adds `busy-polling` to `global`."""
     if busy_polling is None:
         busy_polling = busy_polling_env()
     if retry_on_set is None:
@@ -122,10 +126,12 @@ def rewrite(config: str, header_timeout_s: int = HEADER_TIMEOUT_S, retry_on_set:
     for line in lines:
         if line and not line[0].isspace():
             section = line.split()[0:2]
-            if (section[0] == "backend" and section != ["backend", "default_backend"]
-                    and not _has_option(lines, line, "prefer-last-server")):
+            if section[0] == "backend" and section != ["backend", "default_backend"]:
                 out.append(line)
-                out.append("    option prefer-last-server")
+                if not _has_option(lines, line, "prefer-last-server"):
+                    out.append("    option prefer-last-server")
+                if _setting(lines, line, "http-reuse") is None:
+                    out.append("    http-reuse never")
                 continue
         m = _BIND.match(line)
         if (m and frontend_host and _is_loopback(frontend_host)
@@ -134,6 +140,8 @@ def rewrite(config: str, header_timeout_s: int = HEADER_TIMEOUT_S, retry_on_set:
             if not _is_loopback(host):
                 line = "%s%s:%s%s" % (m.group(1), frontend_host, port, m.group(3))
         words = line.split()
+        if section and section[0] == "backend" and words[:1] == ["http-reuse"] and words[1:] != ["never"]:
+            line = line.replace(" ".join(words), "http-reuse never")  # pooled connections defeat the option above
         if error_dir and section == ["defaults"] and words[:2] in (["errorfile", "502"], ["errorfile", "503"],
                                                                   ["errorfile", "504"]):
             line = "    errorfile %s %s" % (words[1], error_files(error_dir)[500])
@@ -150,14 +158,24 @@ def rewrite(config: str, header_timeout_s: int = HEADER_TIMEOUT_S, retry_on_set:
     return "\n".join(out)
 
 
+def _section(lines: list[str], header: str) -> list[list[str]]:
+    """The words of each line of the section starting at line `header`."""
+    i = lines.index(header) + 1
+    out = []
+    while i < len(lines) and (not lines[i] or lines[i][0].isspace()):
+        out.append(lines[i].split())
+        i += 1
+    return out
+
+
 def _has_option(lines: list[str], header: str, option: str) -> bool:
     """Whether the section starting at line `header` already sets `option <option>`."""
-    i = lines.index(header) + 1
-    while i < len(lines) and (not lines[i] or lines[i][0].isspace()):
-        if lines[i].split()[:2] == ["option", option]:
-            return True
-        i += 1
-    return False
+    return any(w[:2] == ["option", option] for w in _section(lines, header))
+
+
+def _setting(lines: list[str], header: str, keyword: str) -> list[str] | None:
+    """The arguments of `keyword` in the section starting at line `header`, or None when it is not set."""
+    return next((w[1:] for w in _section(lines, header) if w[:1] == [keyword]), None)
 
 
 def real_binary() -> str:
