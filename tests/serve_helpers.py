@@ -25,6 +25,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 POISON = "zz-poison-pill-zz"
 OOM_TRIGGER = "zz-oom-trigger-zz"
 OOM_LIMIT = 2000
+HANG = "zz-stuck-device-zz"  # FaultInjector: the forward blocks, as one on a wedged GPU does
+HANG_S = 90.0
 SECRET_PATH = "/srv/secret/laya_fleet/internal.py"
 AUTOSCALING_ENV = {
     "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "0.5",
@@ -178,7 +180,8 @@ def _contains(seq: list[int], sub: list[int]) -> bool:
 
 
 class FaultInjector:
-    """Wraps the scorer's real backend: a poison state raises; an OOM-trigger batch above a size OOMs.
+    """Wraps the scorer's real backend: a poison state raises; an OOM-trigger batch above a size OOMs; a HANG
+    state blocks the forward for `hang_s` seconds (HANG_S; a wedged GPU: no answer, no error).
 
     Installed through the app arg `backend_wrapper: tests.serve_helpers:FaultInjector`; ordinary
     requests go straight to the real forward.
@@ -189,6 +192,8 @@ class FaultInjector:
         self.oom_limit = oom_limit
         self.poison = engine.builder.state_ids(POISON)
         self.trigger = engine.builder.state_ids(OOM_TRIGGER)
+        self.hang = engine.builder.state_ids(HANG)
+        self.hang_s = HANG_S
         self.oom_calls = 0
 
     def __getattr__(self, name):
@@ -200,6 +205,8 @@ class FaultInjector:
 
         if any(_contains(r.ids, self.poison) for r in rows):
             raise ValueError("poisoned row rejected by %s" % SECRET_PATH)
+        if any(_contains(r.ids, self.hang) for r in rows):
+            time.sleep(self.hang_s)
         cost = len(rows) * max(len(r.ids) for r in rows)
         if cost > self.oom_limit and any(_contains(r.ids, self.trigger) for r in rows):
             self.oom_calls += 1

@@ -115,3 +115,42 @@ def test_a_cancelled_request_is_dropped_before_it_is_scored(scorer, engine):
 
     _run(go())
     assert [r.requests for r in records] == [1] and records[0].rows == 3
+
+
+def test_a_forward_past_its_stall_limit_fails_the_health_check(scorer, engine):
+    """The batcher marks the running forward (start, tokens); `ScorerDeployment.check_health` fails once it has
+    run `forward_stall_s` per token budget it scores, and not before."""
+    from types import SimpleNamespace
+
+    from serve_app.online.scorer_deployment import ScorerDeployment
+
+    from .serve_helpers import HANG, HANG_S
+
+    check = ScorerDeployment.func_or_class.check_health
+    rows = _rows(engine, "a state %s here" % HANG, 1)
+    tokens = sum(len(r) for r in rows)
+
+    def replica(budget: int, stall_s: float):
+        return SimpleNamespace(batcher=b, scorer=SimpleNamespace(budget=budget), forward_stall_s=stall_s,
+                               _broken=None)
+
+    async def run():
+        task = asyncio.ensure_future(b.submit(rows))
+        await asyncio.sleep(0.6)
+        assert b.in_flight_since is not None and b.in_flight_tokens == tokens
+        stuck = replica(scorer.budget, 0.3)  # one budget's worth (tokens <= 600): the limit is 0.3 s
+        with pytest.raises(RuntimeError, match="device is stuck"):
+            check(stuck)
+        with pytest.raises(RuntimeError, match="device is stuck"):  # and it stays unhealthy
+            check(stuck)
+        check(replica(-(-tokens // 3), 0.3))  # three budgets' worth: 0.9 s allowed, 0.6 s run
+        await task
+        assert b.in_flight_since is None
+        check(replica(scorer.budget, 0.3))
+
+    scorer.engine.backend.hang_s = 1.5
+    b = TokenBatcher(scorer.score_rows_async, lambda: scorer.budget)
+    try:
+        asyncio.run(run())
+    finally:
+        scorer.engine.backend.hang_s = HANG_S

@@ -179,3 +179,60 @@ def test_two_fused_replicas_per_logical_gpu_serve_and_a_killed_one_is_replaced(s
     # the surviving replica answered while the other was down (only requests the dead one held may fail)
     assert during.count(200) > len(during) // 2, {x: during.count(x) for x in set(during)}
     print("fused replica replaced in %.1fs; during: %s" % (t_new - t_kill, {x: during.count(x) for x in set(during)}))
+
+
+def test_a_replica_whose_forward_is_stuck_fails_its_health_check_and_is_replaced(serve_cluster, tiny_checkpoint):
+    """A forward that never returns (a wedged GPU raises nothing): once it has run past the scorer's
+    `forward_stall_s`, the replica's health check fails, Serve replaces it, and requests are answered again."""
+    import threading
+    import time
+
+    from ray import serve
+
+    from .serve_helpers import HANG, HANG_S
+
+    cfg = _fused_config(tiny_checkpoint, serve_cluster["ports"]["http"], api_key_env=TEST_KEY_ENV,
+                        backend_wrapper="tests.serve_helpers:FaultInjector",
+                        scorer={"num_cpus": 0.75, "num_gpus": 0, "torch_threads": 1, "forward_stall_s": 2})
+    (only,) = cfg["applications"][0]["deployments"]
+    only["health_check_period_s"] = 1
+    only["graceful_shutdown_timeout_s"] = 2
+    deploy(cfg, serve_cluster["base"], timeout=180)
+    url = serve_cluster["base"] + "/v1/systemone"
+    h = serve.get_deployment_handle("Ingress", "laya")
+    first = h.info.remote().result(timeout_s=30)
+    assert first["forward_stall_s"] == 2 and first["healthy"]
+    ok = httpx.post(url, json={"state": "a working state", "questions": QUESTIONS}, headers=AUTH, timeout=60)
+    assert ok.status_code == 200, ok.text
+
+    stuck: dict = {}
+
+    def send_stuck():
+        t = time.monotonic()
+        try:
+            r = httpx.post(url, json={"state": "the state %s here" % HANG, "questions": QUESTIONS}, headers=AUTH,
+                           timeout=HANG_S + 30)
+            stuck["status"] = r.status_code
+        except httpx.HTTPError as e:
+            stuck["status"] = type(e).__name__
+        stuck["s"] = time.monotonic() - t
+
+    th = threading.Thread(target=send_stuck, daemon=True)
+    th.start()
+
+    def replaced():
+        try:
+            info = h.info.remote().result(timeout_s=5)
+        except Exception:  # noqa: BLE001 - the stuck replica is going away
+            return False
+        return info["actor_name"] != first["actor_name"] and info["healthy"]
+
+    t0 = time.monotonic()
+    wait_for(replaced, 60, interval=1.0, what="the stuck replica replaced")
+    replaced_s = time.monotonic() - t0
+    th.join(HANG_S + 40)
+    # the stuck request ended with the replica, long before the forward would have returned
+    assert stuck.get("status") != 200 and stuck["s"] < HANG_S - 30, stuck
+    rs = asyncio.run(_many(url, [{"state": "state %d" % i, "questions": QUESTIONS} for i in range(16)]))
+    assert [r.status_code for r in rs] == [200] * 16
+    print("stuck replica replaced in %.1fs; the stuck request: %s" % (replaced_s, stuck))

@@ -49,6 +49,10 @@ class ScorerOptions(BaseModel):
         None, gt=0, le=0.1,
         description="sys.setswitchinterval for the replica; None = Python's 0.005. The forward thread must win "
                     "the GIL back from the replica's event-loop threads after every device wait")
+    forward_stall_s: float = Field(
+        60.0, gt=0, description="a replica whose forward has run longer than this per token budget it scores "
+                                "fails its health check and Serve replaces it (a stuck GPU answers nothing and "
+                                "raises nothing)")
 
 
 class IngressOptions(BaseModel):
@@ -163,7 +167,8 @@ def build_app(args: AppArgs) -> Application:
         actor["accelerator_type"] = args.scorer.accelerator_type
     common = dict(backend=args.backend, device=args.device, cache_dir=args.cache_dir, warmup=args.warmup,
                   torch_threads=args.scorer.torch_threads, backend_wrapper=args.backend_wrapper,
-                  gil_switch_interval_s=args.scorer.gil_switch_interval_s, batching=args.batching.model_dump())
+                  gil_switch_interval_s=args.scorer.gil_switch_interval_s,
+                  forward_stall_s=args.scorer.forward_stall_s, batching=args.batching.model_dump())
 
     def scorer(name: str):
         return ScorerDeployment.options(name=deployment_name(name, default), ray_actor_options=actor,

@@ -69,6 +69,8 @@ class TokenBatcher:
         self._arrived: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self.in_flight = 0
+        self.in_flight_since: float | None = None  # time.monotonic() when the running forward started
+        self.in_flight_tokens = 0                   # and the tokens it scores
 
     # -- public -------------------------------------------------------------------------------
     def configure(self, max_wait_s: float | None = None, max_rows: int | None = None) -> None:
@@ -151,13 +153,17 @@ class TokenBatcher:
                     break
             batch, _ = self._take()
             if batch:
-                await self._dispatch(batch)
+                try:
+                    await self._dispatch(batch)
+                finally:  # also when cancelled: nothing is in flight any more
+                    self.in_flight, self.in_flight_since = 0, None
 
     async def _dispatch(self, batch: list[_Pending]) -> None:
         now = time.monotonic()
         waits = [now - p.enqueued for p in batch]
         rows = [r for p in batch for r in p.rows]
         self.in_flight = len(batch)
+        self.in_flight_since, self.in_flight_tokens = time.monotonic(), sum(p.tokens for p in batch)
         t = time.perf_counter()
         try:
             logits, act = await self._run(rows)
@@ -169,14 +175,14 @@ class TokenBatcher:
                 log.warning("a batch of %d requests failed (%s); retrying them one by one",
                             len(batch), type(e).__name__)
                 for p in batch:
+                    self.in_flight_since, self.in_flight_tokens = time.monotonic(), p.tokens
                     try:
                         _set_result(p.future, await self._run(p.rows))
                     except Exception as e1:  # noqa: BLE001
                         _set_exception(p.future, e1)
                 self._record(batch, rows, waits, t, fallback=True)
-            self.in_flight = 0
             return
-        self.in_flight = 0
+        self.in_flight, self.in_flight_since = 0, None
         pos = 0
         for p in batch:
             n = len(p.rows)

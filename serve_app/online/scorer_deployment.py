@@ -81,7 +81,7 @@ class ScorerDeployment:
 
     def __init__(self, checkpoint: str, backend: str = "auto", device: str = "auto", cache_dir: str | None = None,
                  warmup: bool = True, torch_threads: int | None = None, backend_wrapper: str | None = None,
-                 gil_switch_interval_s: float | None = None,
+                 gil_switch_interval_s: float | None = None, forward_stall_s: float = 60.0,
                  batching: dict | None = None):
         ray_compat.loopback_replica_grpc()  # before Serve starts this replica's gRPC server (a loopback Ray)
         t0 = time.perf_counter()
@@ -112,6 +112,7 @@ class ScorerDeployment:
                                     max_wait_s=policy.batch_wait_timeout_s, max_rows=policy.max_batch_rows,
                                     on_batch=self._on_batch)
         self._broken: str | None = None
+        self.forward_stall_s = float(forward_stall_s)
         self._batch_sizes: _Counter[int] = _Counter()
         self._counts = {"requests": 0, "rows": 0, "batches": 0, "fallback_batches": 0, "errors": 0}
         self._wait_s_sum = 0.0
@@ -145,7 +146,17 @@ class ScorerDeployment:
         return {"pending_requests": float(self.batcher.queued + self.batcher.in_flight)}
 
     def check_health(self) -> None:
-        """Raise (so Serve replaces this replica) after a fatal device error; otherwise cheap no-op."""
+        """Raise (so Serve replaces this replica) after a fatal device error, or while a forward has run for
+        longer than `forward_stall_s` per token budget it scores (a wedged GPU answers nothing and raises
+        nothing; a healthy one scores a budget in well under a second); otherwise a no-op."""
+        since = self.batcher.in_flight_since
+        if not self._broken and since is not None:
+            budgets = -(-self.batcher.in_flight_tokens // max(1, self.scorer.budget))
+            limit = self.forward_stall_s * max(1, budgets)
+            if time.monotonic() - since > limit:
+                self._broken = "a forward of %d tokens has run for %.0f s (limit %g s): the device is stuck" % (
+                    self.batcher.in_flight_tokens, time.monotonic() - since, limit)
+                log.error("scorer unhealthy: %s", self._broken)
         if self._broken:
             raise RuntimeError("scorer unhealthy: %s" % self._broken)
 
@@ -238,7 +249,7 @@ class ScorerDeployment:
         import sys
 
         return dict(self.scorer.info(), **self._facts, policy=self.policy.model_dump(), batching=self.stats(),
-                    gil_switch_interval_s=sys.getswitchinterval(),
+                    gil_switch_interval_s=sys.getswitchinterval(), forward_stall_s=self.forward_stall_s,
                     actor_name=ctx.get_actor_name(), gpu_ids=gpu_ids, ready_s=round(self.ready_s, 3),
                     healthy=self._broken is None)
 
