@@ -289,10 +289,14 @@ def _serve(handler) -> tuple[int, object]:
 
 
 def _read_request(conn) -> bool:
-    """Read one whole HTTP request (headers and a Content-Length body) from `conn`; False on EOF."""
+    """Read one whole HTTP request (headers and a Content-Length body) from `conn`; False on EOF (HAProxy may
+    reset a server connection it no longer needs rather than close it)."""
     data = b""
     while b"\r\n\r\n" not in data:
-        chunk = conn.recv(65536)
+        try:
+            chunk = conn.recv(65536)
+        except ConnectionResetError:
+            return False
         if not chunk:
             return False
         data += chunk
