@@ -130,12 +130,14 @@ def main(argv=None) -> int:
     p.add_argument("--max-requests", type=int, default=32, help="most requests per batch")
     p.add_argument("--trace", action="store_true",
                    help="eager forwards (no CUDA graphs) with an event after every op: a stall names the op")
-    p.add_argument("--gemm-cluster", type=int, default=0, help="force this cluster size on the hand-"
+    p.add_argument("--gemm-cluster", type=int, default=0, choices=(0, 1, 2), help="force this cluster size on the hand-"
                    "warp-specialised GEMMs (1: every one a block a tile; 0: the shipped configs)")
     p.add_argument("--gdb", default="", help="cuda-gdb binary: on the first stall, take the stalled process's "
                    "GPU core dump and write what cuda-gdb reads in it (kernels, warps, PCs) to gdb_<i>.txt, end")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "gpu_share_stress.json"))
     a = p.parse_args(argv)
+    if a.procs < 1 or a.seconds <= 0 or a.stall_s <= 0 or a.max_requests < 1:
+        p.error("--procs and --max-requests must be at least 1, --seconds and --stall-s positive")
     out_dir = os.path.dirname(os.path.abspath(a.out))
     os.makedirs(out_dir, exist_ok=True)
     args = {"checkpoint": a.checkpoint, "seconds": a.seconds, "stall_s": a.stall_s,
