@@ -50,8 +50,12 @@ def child(i: int, a: dict, last, count, ready, go) -> None:
         import kernels.gemm_manual as gm
 
         gm.GEMM, gm.GEGLU = (replace(c, cluster=a["gemm_cluster"]) for c in (gm.GEMM, gm.GEGLU))
-    options = {"use_graphs": False} if a["trace"] else None
-    sc = Scorer(a["checkpoint"], backend="auto", device="auto", backend_options=options)
+    options = {"use_graphs": False} if a["trace"] else {}
+    if a["small_m"]:  # every bucket up to small_m tokens on the small tiles: no hand-warp-specialised GEMM runs
+        from kernels.tuning import Tuning
+
+        options["tuning"] = Tuning(small_m=a["small_m"])
+    sc = Scorer(a["checkpoint"], backend="auto", device="auto", backend_options=options or None)
     eng = sc.engine
     ff = eng.backend.engine if a["trace"] else None
     qs = eng.prepare(QUESTIONS)
@@ -132,17 +136,21 @@ def main(argv=None) -> int:
                    help="eager forwards (no CUDA graphs) with an event after every op: a stall names the op")
     p.add_argument("--gemm-cluster", type=int, default=0, choices=(0, 1, 2), help="force this cluster size on the hand-"
                    "warp-specialised GEMMs (1: every one a block a tile; 0: the shipped configs)")
+    p.add_argument("--small-m", type=int, default=0, help="run token buckets up to this many tokens on the small "
+                   "GEMM tiles (65536: every bucket, so no hand-warp-specialised GEMM runs; 0: the shipped table)")
     p.add_argument("--gdb", default="", help="cuda-gdb binary: on the first stall, take the stalled process's "
                    "GPU core dump and write what cuda-gdb reads in it (kernels, warps, PCs) to gdb_<i>.txt, end")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "gpu_share_stress.json"))
     a = p.parse_args(argv)
+    if a.small_m < 0 or a.small_m % 64:
+        p.error("--small-m must be a multiple of 64 (the token buckets' step)")
     if a.procs < 1 or a.seconds <= 0 or a.stall_s <= 0 or a.max_requests < 1:
         p.error("--procs and --max-requests must be at least 1, --seconds and --stall-s positive")
     out_dir = os.path.dirname(os.path.abspath(a.out))
     os.makedirs(out_dir, exist_ok=True)
     args = {"checkpoint": a.checkpoint, "seconds": a.seconds, "stall_s": a.stall_s,
             "max_requests": a.max_requests, "dir": out_dir, "trace": a.trace,
-            "gemm_cluster": a.gemm_cluster}
+            "gemm_cluster": a.gemm_cluster, "small_m": a.small_m}
     if a.gdb:
         os.environ.update(CORE_ENV)  # the children inherit it
     ctx = mp.get_context("spawn")
@@ -194,6 +202,7 @@ def main(argv=None) -> int:
         with open(os.path.join(out_dir, "stacks_%d.txt" % i)) as fh:
             s["stack"] = fh.read()[-4000:]
     res = {"checkpoint": a.checkpoint, "procs": a.procs, "trace": a.trace, "gemm_cluster": a.gemm_cluster,
+           "small_m": a.small_m,
            "seconds": a.seconds, "ready_s": round(ready_s, 1),
            "forwards": list(count), "exitcodes": [pr.exitcode for pr in procs],
            "stalls": {str(k): v for k, v in stalls.items()}, "timeline": timeline,
