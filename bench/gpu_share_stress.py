@@ -10,8 +10,11 @@ micro-batch, the forward thread otherwise). The parent watches each process's la
 older than `--stall-s` is a stall, and the child's Python stacks are dumped (faulthandler) beside the JSON.
 Prints a table, writes JSON and a PNG of forwards/s per process and GPU utilization over time; exits 2 on a
 stall. `--gemm-cluster 1` runs every hand-warp-specialised GEMM one block a tile (it stalled as well),
-`--trace` eager forwards with an event after each op, `--gdb` a GPU core dump of the first stalled process
-(setting the driver's core-dump variables, under which no run has stalled yet). Results: BENCHMARKS.md,
+`--no-gpu-lock` lets the processes' forwards overlap on the GPU as they did before the fast backend's
+cross-process GPU lock (model/backends/gpu_lock.py; every stall above was without it), `--small-m 65536` runs
+every bucket on the small GEMM tiles, `--trace` eager forwards with an event after each op, `--gdb` a GPU
+core dump of the first stalled process (setting the driver's core-dump variables, under which no run has
+stalled yet). Results: BENCHMARKS.md,
 "Scorers sharing a GPU".
 
     python3 bench/gpu_share_stress.py --checkpoint /tmp/ck_large --procs 4 --seconds 480 \
@@ -33,7 +36,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 
-def child(i: int, a: dict, last, count, ready, go) -> None:
+def child(i: int, a: dict, last, count, waits, ready, go) -> None:
     """One replica-like scorer: load, warm up, then score random batches until told to stop."""
     import asyncio
     import faulthandler
@@ -55,6 +58,8 @@ def child(i: int, a: dict, last, count, ready, go) -> None:
         from kernels.tuning import Tuning
 
         options["tuning"] = Tuning(small_m=a["small_m"])
+    if a["no_gpu_lock"]:  # the scorers' forwards time-slice the GPU, as before model/backends/gpu_lock.py
+        options["gpu_lock"] = None
     sc = Scorer(a["checkpoint"], backend="auto", device="auto", backend_options=options or None)
     eng = sc.engine
     ff = eng.backend.engine if a["trace"] else None
@@ -99,6 +104,8 @@ def child(i: int, a: dict, last, count, ready, go) -> None:
                 await sc.score_rows_async(rows)
                 faulthandler.cancel_dump_traceback_later()
             count[i] += 1
+            lock = sc.gpu_lock
+            waits[i] = lock.waits if lock is not None else -1
             last[i] = time.monotonic()
             if rng.random() < 0.02:  # an idle gap now and then, as between one client's requests
                 await asyncio.sleep(rng.random() * 0.01)
@@ -138,6 +145,8 @@ def main(argv=None) -> int:
                    "warp-specialised GEMMs (1: every one a block a tile; 0: the shipped configs)")
     p.add_argument("--small-m", type=int, default=0, help="run token buckets up to this many tokens on the small "
                    "GEMM tiles (65536: every bucket, so no hand-warp-specialised GEMM runs; 0: the shipped table)")
+    p.add_argument("--no-gpu-lock", action="store_true", help="no cross-process GPU lock: the processes' forwards "
+                   "overlap on the GPU and the driver time-slices them (the shipped fast backend holds the lock)")
     p.add_argument("--gdb", default="", help="cuda-gdb binary: on the first stall, take the stalled process's "
                    "GPU core dump and write what cuda-gdb reads in it (kernels, warps, PCs) to gdb_<i>.txt, end")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "gpu_share_stress.json"))
@@ -150,15 +159,16 @@ def main(argv=None) -> int:
     os.makedirs(out_dir, exist_ok=True)
     args = {"checkpoint": a.checkpoint, "seconds": a.seconds, "stall_s": a.stall_s,
             "max_requests": a.max_requests, "dir": out_dir, "trace": a.trace,
-            "gemm_cluster": a.gemm_cluster, "small_m": a.small_m}
+            "gemm_cluster": a.gemm_cluster, "small_m": a.small_m, "no_gpu_lock": a.no_gpu_lock}
     if a.gdb:
         os.environ.update(CORE_ENV)  # the children inherit it
     ctx = mp.get_context("spawn")
     last = ctx.Array("d", a.procs, lock=False)
     count = ctx.Array("q", a.procs, lock=False)
+    waits = ctx.Array("q", a.procs, lock=False)   # forwards that waited for another process's GPU lock
     go = ctx.Event()
     readies = [ctx.Event() for _ in range(a.procs)]
-    procs = [ctx.Process(target=child, args=(i, args, last, count, readies[i], go), daemon=True)
+    procs = [ctx.Process(target=child, args=(i, args, last, count, waits, readies[i], go), daemon=True)
              for i in range(a.procs)]
     t0 = time.monotonic()
     for pr in procs:
@@ -202,18 +212,19 @@ def main(argv=None) -> int:
         with open(os.path.join(out_dir, "stacks_%d.txt" % i)) as fh:
             s["stack"] = fh.read()[-4000:]
     res = {"checkpoint": a.checkpoint, "procs": a.procs, "trace": a.trace, "gemm_cluster": a.gemm_cluster,
-           "small_m": a.small_m,
+           "small_m": a.small_m, "gpu_lock": not a.no_gpu_lock, "lock_waits": list(waits),
            "seconds": a.seconds, "ready_s": round(ready_s, 1),
            "forwards": list(count), "exitcodes": [pr.exitcode for pr in procs],
            "stalls": {str(k): v for k, v in stalls.items()}, "timeline": timeline,
            "commit": os.environ.get("LAYA_FLEET_COMMIT"), "gpu_uuid": smi("uuid"),
            "core_dump_env": bool(a.gdb)}
-    print("| process | forwards | forwards/s | stalled at s | stalled for s | exit |")
-    print("|---|---|---|---|---|---|")
+    print("| process | forwards | forwards/s | waited for the GPU lock | stalled at s | stalled for s | exit |")
+    print("|---|---|---|---|---|---|---|")
     for i in range(a.procs):
         s = stalls.get(i, {})
-        print("| %d | %d | %.0f | %s | %s | %s |" % (i, count[i], count[i] / a.seconds, s.get("at_s", "-"),
-                                                     s.get("stalled_s", "-"), procs[i].exitcode))
+        print("| %d | %d | %.0f | %s | %s | %s | %s |" % (
+            i, count[i], count[i] / a.seconds, waits[i] if waits[i] >= 0 else "no lock", s.get("at_s", "-"),
+            s.get("stalled_s", "-"), procs[i].exitcode))
     with open(a.out, "w") as fh:
         json.dump(res, fh, indent=1)
     plot(res, os.path.splitext(a.out)[0] + ".png")

@@ -232,9 +232,17 @@ class Scorer:
         """The device this scorer runs on, as text."""
         return str(self.engine.device)
 
+    @property
+    def gpu_lock(self):
+        """The backend's cross-process GPU lock (model/backends/gpu_lock.py), or None when it has none."""
+        return getattr(getattr(self.engine.backend, "engine", None), "gpu_lock", None)
+
     def info(self) -> dict[str, Any]:
-        """What this scorer is: backend, device, budget, timings, counters, visible GPUs."""
+        """What this scorer is: backend, device, budget, timings, counters, visible GPUs, GPU lock waits."""
+        lock = self.gpu_lock
         return {"backend": self.engine.backend_name, "device": self.device, "budget": self.budget,
+                "gpu_lock": None if lock is None else {"path": lock.path, "waits": lock.waits,
+                                                       "wait_s": round(lock.wait_s, 3)},
                 "budget_goal": self.budget_goal, "load_s": round(self.load_s, 3), "ready_s": round(self.ready_s, 3),
                 "startup": {k: None if v is None else round(v, 3) for k, v in self.timings.items()},
                 "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "pid": os.getpid(),

@@ -117,11 +117,13 @@ def test_a_cancelled_request_is_dropped_before_it_is_scored(scorer, engine):
     assert [r.requests for r in records] == [1] and records[0].rows == 3
 
 
-def test_a_forward_past_its_stall_limit_fails_the_health_check(scorer, engine):
+def test_a_forward_past_its_stall_limit_fails_the_health_check(scorer, engine, tmp_path):
     """The batcher marks the running forward (start, tokens); `ScorerDeployment.check_health` fails once it has
-    run `forward_stall_s` per token budget it scores, and not before."""
+    run `forward_stall_s` per token budget it scores, and not before; with a GPU lock, counted from when this
+    process took it (a forward waiting for another process's is not stuck)."""
     from types import SimpleNamespace
 
+    from model.backends.gpu_lock import GpuLock
     from serve_app.online.scorer_deployment import ScorerDeployment
 
     from .serve_helpers import HANG, HANG_S
@@ -129,21 +131,28 @@ def test_a_forward_past_its_stall_limit_fails_the_health_check(scorer, engine):
     check = ScorerDeployment.func_or_class.check_health
     rows = _rows(engine, "a state %s here" % HANG, 1)
     tokens = sum(len(r) for r in rows)
+    lock = GpuLock(str(tmp_path / "gpu.lock"))
 
-    def replica(budget: int, stall_s: float):
-        return SimpleNamespace(batcher=b, scorer=SimpleNamespace(budget=budget), forward_stall_s=stall_s,
-                               _broken=None)
+    def replica(budget: int, stall_s: float, gpu_lock=None):
+        return SimpleNamespace(batcher=b, scorer=SimpleNamespace(budget=budget, gpu_lock=gpu_lock),
+                               forward_stall_s=stall_s, _broken=None)
 
     async def run():
         task = asyncio.ensure_future(b.submit(rows))
         await asyncio.sleep(0.6)
         assert b.in_flight_since is not None and b.in_flight_tokens == tokens
+        check(replica(scorer.budget, 0.3, lock))   # 0.6 s in flight, but the GPU lock not taken yet: waiting
+        with lock:
+            check(replica(scorer.budget, 0.3, lock))   # taken just now: 0.6 s in flight, none of it on the GPU
+            await asyncio.sleep(0.4)
+            with pytest.raises(RuntimeError, match="device is stuck"):
+                check(replica(scorer.budget, 0.3, lock))   # 0.4 s on the GPU past the 0.3 s limit
         stuck = replica(scorer.budget, 0.3)  # one budget's worth (tokens <= 600): the limit is 0.3 s
         with pytest.raises(RuntimeError, match="device is stuck"):
             check(stuck)
         with pytest.raises(RuntimeError, match="device is stuck"):  # and it stays unhealthy
             check(stuck)
-        check(replica(-(-tokens // 3), 0.3))  # three budgets' worth: 0.9 s allowed, 0.6 s run
+        check(replica(max(1, tokens // 5), 0.3))  # five or more budgets' worth: >= 1.5 s allowed, 1.0 s run
         await task
         assert b.in_flight_since is None
         check(replica(scorer.budget, 0.3))

@@ -148,8 +148,13 @@ class ScorerDeployment:
     def check_health(self) -> None:
         """Raise (so Serve replaces this replica) after a fatal device error, or while a forward has run for
         longer than `forward_stall_s` per token budget it scores (a wedged GPU answers nothing and raises
-        nothing; a healthy one scores a budget in well under a second); otherwise a no-op."""
+        nothing; a healthy one scores a budget in well under a second), counted from when it took the GPU lock
+        (a forward waiting for another process's is not stuck); otherwise a no-op."""
         since = self.batcher.in_flight_since
+        lock = self.scorer.gpu_lock
+        if since is not None and lock is not None:
+            # a forward waiting for another process's to leave the GPU is not stuck: its time counts from the lock
+            since = None if lock.held_since is None else max(since, lock.held_since)
         if not self._broken and since is not None:
             budgets = -(-self.batcher.in_flight_tokens // max(1, self.scorer.budget))
             limit = self.forward_stall_s * max(1, budgets)

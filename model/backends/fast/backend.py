@@ -20,6 +20,7 @@ from kernels import _tl
 from kernels import attention as _attn
 from kernels.tuning import TABLE, Tuning
 from model import settings
+from model.backends import gpu_lock as _gpu_lock
 from model.backends.base import HALF, BackendUnavailable, cuda_amp_dtype, dtype_named
 from model.sequence import Row
 
@@ -64,7 +65,8 @@ class FastForward(ForwardOps, GraphRunner, Packing, DeviceWeights):
     def __init__(self, model: torch.nn.Module, bundle: Any, device: torch.device, *, ops: str | dict = "tilelang",
                  use_graphs: bool | None = None, max_batch_tokens: int | None = None,
                  act_dtype: torch.dtype | None = None, attn_cfg: _attn.AttnConfig = _attn.DEFAULT,
-                 compile_workers: int | None = None, tuning: Tuning = TABLE):
+                 compile_workers: int | None = None, tuning: Tuning = TABLE,
+                 gpu_lock: _gpu_lock.GpuLock | None | str = "auto"):
         self.device = torch.device(device)
         self.ops = self._resolve_ops(ops)
         self.tuning = tuning
@@ -89,6 +91,10 @@ class FastForward(ForwardOps, GraphRunner, Packing, DeviceWeights):
         self._load_weights(model, bundle)
         self.stats = FastStats()
         self._lock = threading.RLock()
+        # held across processes from a forward's launch to its results ("auto": the CUDA device's, none on CPU)
+        if isinstance(gpu_lock, str) and gpu_lock != "auto":
+            raise ValueError("gpu_lock is 'auto', None or a GpuLock, got %r" % gpu_lock)
+        self.gpu_lock = _gpu_lock.for_device(self.device) if gpu_lock == "auto" else gpu_lock
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}   # (token bucket, head rows)
         self._tail_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
@@ -177,10 +183,12 @@ def make_backend(model: torch.nn.Module, bundle: Any, device: torch.device, **op
     """The registered factory: a FastBackend, or BackendUnavailable naming why it cannot run here.
 
     Options: ops ("tilelang" | "torch" | {op: impl}), use_graphs, max_batch_tokens, compile_workers, attn_cfg,
-    tuning (a kernels.tuning.Tuning table; default the committed one), act_dtype (activations and GEMM weights:
-    torch.bfloat16 or torch.float16 / "fp16"; on CUDA it defaults to the checkpoint's autocast dtype, see
-    model.backends.base.cuda_amp_dtype)."""
-    allowed = {"ops", "use_graphs", "max_batch_tokens", "compile_workers", "attn_cfg", "act_dtype", "tuning"}
+    tuning (a kernels.tuning.Tuning table; default the committed one), gpu_lock (a model.backends.gpu_lock.GpuLock,
+    or None for none; default the CUDA device's: one process's forward on a GPU at a time), act_dtype (activations
+    and GEMM weights: torch.bfloat16 or torch.float16 / "fp16"; on CUDA it defaults to the checkpoint's autocast
+    dtype, see model.backends.base.cuda_amp_dtype)."""
+    allowed = {"ops", "use_graphs", "max_batch_tokens", "compile_workers", "attn_cfg", "act_dtype", "tuning",
+               "gpu_lock"}
     unknown = set(options) - allowed
     if unknown:
         raise ValueError("unknown fast backend options %s (use %s)" % (sorted(unknown), sorted(allowed)))

@@ -126,6 +126,11 @@ def compile_specs(specs: list[tuple[str, tuple]], workers: int | None = None) ->
 class ForwardOps:
     """The op dispatch and layer body of `FastForward` (see the module docstring)."""
 
+    def _gpu(self):
+        """The cross-process GPU lock held over a block of GPU work whose end the block waits for
+        (model/backends/gpu_lock.py), or a no-op without one."""
+        return self.gpu_lock if self.gpu_lock is not None else contextlib.nullcontext()
+
     def _ws_cfg(self, M: int, N: int, in_dtype: torch.dtype, out_dtype: torch.dtype, geglu: bool = False,
                 K: int | None = None) -> _gm.GemmWSConfig | None:
         """The hand-warp-specialised config of this product, or None for kernels/gemm.py and kernels/geglu.py."""
@@ -238,7 +243,7 @@ class ForwardOps:
         ops: {kind: ms}, other_ms}; needs CUDA. Medians over `repeats` runs."""
         rows = list(rows)
         self._check(rows)
-        with self._lock:
+        with self._lock, self._gpu():
             total = sum(len(r.ids) for r in rows)
             Tb = self.bucket_for(total, len(rows))
             _, g = self._stage(rows, Tb)
@@ -395,7 +400,7 @@ class ForwardOps:
         if not rows:
             return np.zeros((0, 0), np.float32), np.zeros((0,), np.float32)
         self._check(rows)
-        with self._lock:
+        with self._lock, self._gpu():   # _collect waits for every chunk before the GPU lock goes
             self.stats.forwards += 1
             # every chunk is queued before any is collected: while the GPU runs chunk k the host stages chunk
             # k + 1 (two staging slots; a slot is refilled only after its previous chunk's GPU work is done)
@@ -414,14 +419,25 @@ class ForwardOps:
         chunks = self._chunks(rows)
         if len(chunks) != 1 or not self._lock.acquire(blocking=False):
             return None
+        if self.gpu_lock is not None and not self.gpu_lock.acquire(blocking=False):
+            self._lock.release()   # another process's forward is on the GPU: the caller's blocking path waits
+            return None
         try:
             with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
                 self.stats.forwards += 1
                 pending = self._launch_chunk(chunks[0], 0)
         except BaseException:
-            self._lock.release()
+            self._release()
             raise
         return Launched(self, rows, pending)
+
+    def _release(self) -> None:
+        """Give back what `launch` took: the GPU lock, then the engine lock."""
+        try:
+            if self.gpu_lock is not None:
+                self.gpu_lock.release()
+        finally:
+            self._lock.release()
 
     @staticmethod
     def _assemble(rows: Sequence[Row], parts: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
@@ -436,8 +452,8 @@ class ForwardOps:
 
 class Launched:
     """A one-chunk forward queued by `ForwardOps.launch`: `ready()` says (without waiting) whether its GPU work is
-    done; `collect()` waits for it, releases the forward's lock and returns `forward`'s (logits, P(action 0)).
-    The lock is re-entrant, held by the launching thread: collect on that thread."""
+    done; `collect()` waits for it, releases the forward's locks (the engine's and the GPU's) and returns `forward`'s
+    (logits, P(action 0)). The engine lock is re-entrant, held by the launching thread: collect on that thread."""
 
     def __init__(self, fwd: ForwardOps, rows: list[Row], pending: tuple):
         self._fwd, self._rows, self._pending = fwd, rows, pending
@@ -452,6 +468,6 @@ class Launched:
             try:
                 part = self._fwd._collect(self._pending)
             finally:
-                self._fwd._lock.release()
+                self._fwd._release()
             self._out = self._fwd._assemble(self._rows, [part])
         return self._out

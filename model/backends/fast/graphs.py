@@ -127,28 +127,38 @@ class GraphRunner:
                 for Tb in sorted(set(small[-1:]) | {self.buckets[-1]}):
                     self._warm_rows(Tb)
             else:  # each capture is preceded by a real run of the same bucket (see _encoder)
+                # the GPU lock per bucket (its work waited for), so other processes' forwards go on in between
                 for Tb in reversed(self.buckets):   # largest first, so the pool is sized once
-                    _, gb = self._stage(self._synthetic(Tb), Tb)
-                    self._ints[:self._int_size(Tb)].copy_(self._ints_host[:self._int_size(Tb)])
-                    for g in sorted({gb, Tb}):   # the gathered head's two capacities
-                        if (Tb, g) not in self._graphs:
-                            self._encoder(Tb, g)
-                for nb in (1 << i for i in range(pow2(self.R_max).bit_length())):
-                    for kb in (1 << i for i in range(1, self.K_max.bit_length())):
-                        if (nb, kb) not in self._tail_graphs:
-                            self._tail_host[:nb * (kb + 1)].fill_(0)
-                            self._tail[:nb * (kb + 1)].copy_(self._tail_host[:nb * (kb + 1)])
-                            self._tail_run(nb, kb)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
+                    with self._gpu():
+                        _, gb = self._stage(self._synthetic(Tb), Tb)
+                        self._ints[:self._int_size(Tb)].copy_(self._ints_host[:self._int_size(Tb)])
+                        for g in sorted({gb, Tb}):   # the gathered head's two capacities
+                            if (Tb, g) not in self._graphs:
+                                self._encoder(Tb, g)
+                        self._sync()
+                with self._gpu():
+                    for nb in (1 << i for i in range(pow2(self.R_max).bit_length())):
+                        for kb in (1 << i for i in range(1, self.K_max.bit_length())):
+                            if (nb, kb) not in self._tail_graphs:
+                                self._tail_host[:nb * (kb + 1)].fill_(0)
+                                self._tail[:nb * (kb + 1)].copy_(self._tail_host[:nb * (kb + 1)])
+                                self._tail_run(nb, kb)
+                    self._sync()
+            self._sync()
             self._warm = True
             self.stats.buckets = list(self.buckets)
         self.stats.warmup_s = time.perf_counter() - t
         return self.stats.warmup_s
 
     def _warm_rows(self, Tb: int) -> None:
-        rows = self._synthetic(Tb)
-        _, gb = self._stage(rows, Tb)
-        self._ints[:self._int_size(Tb)].copy_(self._ints_host[:self._int_size(Tb)])
-        for g in sorted({gb, Tb}):
-            self._side_run(self._body, Tb, g)
+        with self._gpu():
+            rows = self._synthetic(Tb)
+            _, gb = self._stage(rows, Tb)
+            self._ints[:self._int_size(Tb)].copy_(self._ints_host[:self._int_size(Tb)])
+            for g in sorted({gb, Tb}):
+                self._side_run(self._body, Tb, g)
+            self._sync()
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)

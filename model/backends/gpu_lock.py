@@ -1,0 +1,114 @@
+"""One forward at a time on a GPU, across processes: a per-GPU file lock held while a forward's work is queued.
+
+Scorer processes that share a GPU (configs/prod.yaml runs three per GPU) time-slice it: the driver preempts one
+context's running kernels to run another's. Under that preemption a fast-path forward has hung for good
+(BENCHMARKS.md, "Scorers sharing a GPU"); one process alone never has. Holding this lock from a forward's launch
+until its results are back means only one context on the GPU ever has work queued, so the driver switches
+contexts only between forwards and never preempts a kernel mid-flight. Processes still prepare their next batch
+on the CPU while another's forward runs. The lock is an `flock` on a file named by the GPU's UUID (every process
+on the node sees the same GPU under the same UUID, whatever CUDA_VISIBLE_DEVICES it has), released by the
+kernel when its process dies, so a replica that is killed never leaves the GPU locked.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import tempfile
+import time
+
+log = logging.getLogger(__name__)
+
+
+def lock_dir() -> str:
+    """Where the lock files live: /dev/shm (shared by every process of a node or pod) when writable, else the
+    temp dir."""
+    shm = "/dev/shm"
+    if os.path.isdir(shm) and os.access(shm, os.W_OK):
+        return shm
+    return tempfile.gettempdir()
+
+
+class GpuLock:
+    """An exclusive, re-entrant (by count) lock on one GPU shared by every process that opens the same path.
+
+    Not thread-safe by itself: callers serialise on their own lock first (the fast forward's engine lock)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._fd: int | None = None
+        self._count = 0
+        self.held_since: float | None = None   # time.monotonic() when this process took the lock; None if not held
+        self.waits = 0                         # acquisitions that found another process holding it
+        self.wait_s = 0.0                      # seconds spent waiting for it
+
+    def _open(self) -> int:
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        return self._fd
+
+    def acquire(self, blocking: bool = True) -> bool:
+        """Take the lock (or one more level of it); False when `blocking` is off and another process holds it."""
+        if self._count:
+            self._count += 1
+            return True
+        fd = self._open()
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if not blocking:
+                return False
+            t = time.monotonic()
+            fcntl.flock(fd, fcntl.LOCK_EX)   # releases the GIL while it waits
+            self.waits += 1
+            self.wait_s += time.monotonic() - t
+        self._count = 1
+        self.held_since = time.monotonic()
+        return True
+
+    def release(self) -> None:
+        """Give back one level; the last one unlocks the file."""
+        if not self._count:
+            raise RuntimeError("GpuLock.release() without a matching acquire()")
+        self._count -= 1
+        if not self._count:
+            self.held_since = None
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    @property
+    def held(self) -> bool:
+        """Whether this process holds the lock."""
+        return self._count > 0
+
+    def __enter__(self) -> GpuLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def close(self) -> None:
+        """Close the file (unlocking it if held)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd, self._count, self.held_since = None, 0, None
+
+
+def for_device(device) -> GpuLock | None:
+    """The lock of the CUDA device `device` (a torch.device), or None for a CPU device or a GPU whose UUID torch
+    does not report (then nothing is serialised, and that is logged)."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    uuid = getattr(torch.cuda.get_device_properties(idx), "uuid", None)
+    if uuid is None:
+        log.warning("GPU %d reports no UUID: forwards of processes sharing it are not serialised", idx)
+        return None
+    return GpuLock(os.path.join(lock_dir(), "laya-fleet-gpu-%s.lock" % str(uuid).replace("/", "_")))
+
+
+__all__ = ["GpuLock", "for_device", "lock_dir"]

@@ -1,0 +1,153 @@
+"""The cross-process GPU lock (model/backends/gpu_lock.py) between real processes, and the fast forward holding it
+from launch to results (CPU, torch ops, an explicit lock; on CUDA the device's UUID names it)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from model.backends.fast import make_backend
+from model.backends.gpu_lock import GpuLock, for_device, lock_dir
+from model.bundle import load_model
+
+CTX = mp.get_context("spawn")
+
+
+def _hold(path: str, held, release) -> None:
+    """Child: take the lock, say so, hold it until told (or killed)."""
+    lock = GpuLock(path)
+    lock.acquire()
+    held.set()
+    release.wait(60)
+    lock.release()
+
+
+def _try(path: str, out) -> None:
+    """Child: a non-blocking take; puts whether it got the lock."""
+    lock = GpuLock(path)
+    got = lock.acquire(blocking=False)
+    out.put(got)
+    if got:
+        lock.release()
+
+
+def _other_process_gets_it(path: str) -> bool:
+    q = CTX.Queue()
+    p = CTX.Process(target=_try, args=(path, q))
+    p.start()
+    got = q.get(timeout=60)
+    p.join(60)
+    return got
+
+
+@pytest.fixture
+def holder(tmp_path):
+    """A child process holding the lock at tmp_path/gpu.lock until `release` is set."""
+    path = str(tmp_path / "gpu.lock")
+    held, release = CTX.Event(), CTX.Event()
+    p = CTX.Process(target=_hold, args=(path, held, release))
+    p.start()
+    assert held.wait(60), "the holding process never took the lock"
+    yield path, p, release
+    if p.is_alive():   # (Event.set would wait forever on a waiter that was killed)
+        release.set()
+        p.join(60)
+    if p.is_alive():
+        p.kill()
+
+
+def test_a_lock_held_by_another_process_is_refused_then_given_when_it_lets_go(holder):
+    path, proc, release = holder
+    mine = GpuLock(path)
+    assert not mine.acquire(blocking=False) and not mine.held and mine.held_since is None
+    release.set()
+    proc.join(60)
+    assert mine.acquire(blocking=False) and mine.held and mine.held_since is not None
+    mine.release()
+    assert not mine.held and mine.held_since is None
+
+
+def test_a_blocking_acquire_waits_for_the_holder_and_counts_the_wait(holder):
+    path, proc, release = holder
+    mine = GpuLock(path)
+    threading.Timer(0.3, release.set).start()   # the holder lets go while this process waits
+    assert mine.acquire()
+    assert mine.waits == 1 and mine.wait_s > 0 and mine.held
+    mine.release()
+
+
+def test_a_killed_holder_leaves_the_gpu_unlocked(holder):
+    path, proc, _ = holder
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.join(60)
+    mine = GpuLock(path)
+    assert mine.acquire(blocking=False)
+    mine.release()
+
+
+def test_the_lock_is_reentrant_by_count_and_a_stray_release_is_an_error(tmp_path):
+    path = str(tmp_path / "gpu.lock")
+    lock = GpuLock(path)
+    with lock:
+        assert lock.acquire(blocking=False)   # a second level
+        lock.release()
+        assert lock.held and not _other_process_gets_it(path)
+    assert not lock.held and _other_process_gets_it(path)
+    with pytest.raises(RuntimeError, match="without a matching acquire"):
+        lock.release()
+    lock.close()
+
+
+def test_a_cpu_device_has_no_gpu_lock_and_locks_live_in_shared_memory():
+    assert for_device(torch.device("cpu")) is None
+    assert os.path.isdir(lock_dir()) and os.access(lock_dir(), os.W_OK)
+
+
+def test_the_fast_forward_holds_the_gpu_lock_from_launch_to_collect(bundle, rows, tmp_path):
+    """A launched forward keeps other processes off the GPU until it is collected; while another process holds
+    the GPU, `launch` queues nothing (None) and `forward` waits for it, with the same answers."""
+    path = str(tmp_path / "gpu.lock")
+    lock = GpuLock(path)
+    fast = make_backend(load_model(bundle), bundle, torch.device("cpu"), ops="torch", max_batch_tokens=2048,
+                        gpu_lock=lock)
+    ff = fast.engine
+    assert ff.gpu_lock is lock
+    want = fast.forward(rows[:3])
+    assert not lock.held and _other_process_gets_it(path)
+    launched = fast.launch(rows[:3])
+    assert launched is not None and lock.held
+    assert not _other_process_gets_it(path)
+    lg, p = launched.collect()
+    np.testing.assert_array_equal(lg, want[0])
+    np.testing.assert_array_equal(p, want[1])
+    assert not lock.held and _other_process_gets_it(path)
+    assert ff._lock.acquire(blocking=False)
+    ff._lock.release()
+
+    held, release = CTX.Event(), CTX.Event()
+    other = CTX.Process(target=_hold, args=(path, held, release))
+    other.start()
+    try:
+        assert held.wait(60)
+        assert fast.launch(rows[:3]) is None          # nothing queued, and both locks given back
+        assert not lock.held and ff._lock.acquire(blocking=False)
+        ff._lock.release()
+        release.set()
+        lg2, p2 = fast.forward(rows[:3])              # waits for the other process, then runs
+        np.testing.assert_array_equal(lg2, want[0])
+        np.testing.assert_array_equal(p2, want[1])
+        assert not lock.held
+    finally:
+        release.set()
+        other.join(60)
+
+
+def test_the_fast_backend_refuses_a_gpu_lock_that_is_not_one(bundle):
+    with pytest.raises(ValueError, match="gpu_lock"):
+        make_backend(load_model(bundle), bundle, torch.device("cpu"), ops="torch", gpu_lock="on")
