@@ -45,7 +45,8 @@ class GpuLock:
 
     def _open(self) -> int:
         if self._fd is None:
-            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+            # read-only is enough for flock, so a lock file another user created (mode 0644) still opens
+            self._fd = os.open(self.path, os.O_RDONLY | os.O_CREAT, 0o666)
         return self._fd
 
     def acquire(self, blocking: bool = True) -> bool:
