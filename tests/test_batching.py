@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from serve_app.scorer import Scorer, batch_cost, pick_budget, plan
+from serve_app.planning import batch_cost, pick_budget, plan
+from serve_app.scorer import Scorer
 
 from .cases import cases
 

@@ -23,7 +23,8 @@ from serve_app.offline.score import ScoreStage, process_started_at
 from serve_app.offline.sizing import HEADROOM, Sample, stage_tasks, take_sample
 from serve_app.offline.summary import PIECES, format_summary, startup
 from serve_app.offline.tokenize import extract_state
-from serve_app.scorer import THROUGHPUT_WITHIN, Scorer, pick_budget, probe_rows
+from serve_app.planning import pick_budget, probe_rows
+from serve_app.scorer import THROUGHPUT_WITHIN, Scorer
 from tests.test_offline import EXAMPLE_QUESTIONS, make_json_inputs, one_thread  # noqa: F401 - a fixture
 
 # tokens/s per budget shaped like the H200's offline forward (598k at 16384 and 660k at 65536 were measured there)

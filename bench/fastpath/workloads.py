@@ -85,7 +85,7 @@ def probs(logits: np.ndarray, rows) -> list[np.ndarray]:
 
 def forward_batched(eng, rows, budget: int = 32768) -> tuple[np.ndarray, np.ndarray]:
     """Backend forward over rows in token-budget micro-batches (padded cost for padded backends)."""
-    from serve_app.scorer import plan
+    from serve_app.planning import plan
 
     packed = bool(getattr(eng.backend, "packed", False))
     K = max(len(r.markers) for r in rows)
