@@ -1,5 +1,5 @@
 """The cross-process GPU lock (model/backends/gpu_lock.py) between real processes, and the fast forward holding it
-from launch to results (CPU, torch ops, an explicit lock; on CUDA the device's UUID names it)."""
+from launch until its GPU work is done (CPU, torch ops, an explicit lock; on CUDA the device's UUID names it)."""
 
 from __future__ import annotations
 
@@ -109,9 +109,42 @@ def test_a_cpu_device_has_no_gpu_lock_and_locks_live_in_shared_memory():
     assert os.path.isdir(lock_dir()) and os.access(lock_dir(), os.W_OK)
 
 
-def test_the_fast_forward_holds_the_gpu_lock_from_launch_to_collect(bundle, rows, tmp_path):
-    """A launched forward keeps other processes off the GPU until it is collected; while another process holds
-    the GPU, `launch` queues nothing (None) and `forward` waits for it, with the same answers."""
+class _GpuWork:
+    """Stands in for a CUDA event on the CPU machine: `synchronize` returns once `finish()` is called (the
+    GPU's part of a forward, which this machine cannot run)."""
+
+    def __init__(self):
+        self._done = threading.Event()
+
+    def finish(self) -> None:
+        self._done.set()
+
+    def synchronize(self) -> None:
+        assert self._done.wait(60), "the GPU work never finished"
+
+
+def test_a_handed_over_release_waits_for_the_gpu_work_then_unlocks_in_order(tmp_path):
+    path = str(tmp_path / "gpu.lock")
+    lock = GpuLock(path)
+    first, second = _GpuWork(), _GpuWork()
+    lock.acquire()
+    lock.acquire()
+    r1, r2 = lock.release_after(first), lock.release_after(second)
+    assert not r1.wait(0.3) and lock.held and not _other_process_gets_it(path)
+    second.finish()                      # released in order: nothing goes before the first level
+    assert not r1.wait(0.3) and not r2.is_set() and lock.held
+    first.finish()
+    assert r1.wait(10) and r2.wait(10)
+    assert not lock.held and lock.held_since is None and _other_process_gets_it(path)
+    assert lock.acquire(blocking=False)   # the lock is whole again: a fresh level
+    assert lock.release_after(None).wait(10) and not lock.held
+    lock.close()
+
+
+def test_the_fast_forward_holds_the_gpu_lock_until_its_work_is_done(bundle, rows, tmp_path):
+    """A launched forward keeps other processes off the GPU until its GPU work is done (on CPU: done at launch,
+    so the lock goes back before the collect), and its engine lock until it is collected; while another process
+    holds the GPU, `launch` queues nothing (None) and `forward` waits for it, with the same answers."""
     path = str(tmp_path / "gpu.lock")
     lock = GpuLock(path)
     fast = make_backend(load_model(bundle), bundle, torch.device("cpu"), ops="torch", max_batch_tokens=2048,
@@ -121,8 +154,13 @@ def test_the_fast_forward_holds_the_gpu_lock_from_launch_to_collect(bundle, rows
     want = fast.forward(rows[:3])
     assert not lock.held and _other_process_gets_it(path)
     launched = fast.launch(rows[:3])
-    assert launched is not None and lock.held
-    assert not _other_process_gets_it(path)
+    assert launched is not None and launched._released.wait(10)
+    assert not lock.held and _other_process_gets_it(path)   # the GPU is free before the collect
+    taken = []
+    t = threading.Thread(target=lambda: taken.append(ff._lock.acquire(blocking=False)))
+    t.start()
+    t.join()
+    assert taken == [False]                                   # the engine's buffers are not, until it
     lg, p = launched.collect()
     np.testing.assert_array_equal(lg, want[0])
     np.testing.assert_array_equal(p, want[1])
@@ -146,6 +184,24 @@ def test_the_fast_forward_holds_the_gpu_lock_from_launch_to_collect(bundle, rows
     finally:
         release.set()
         other.join(60)
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_lock_goes_back_when_the_forward_event_completes(tmp_path):
+    """A real CUDA event: the release waits for queued GPU work (a long matmul chain), then unlocks."""
+    path = str(tmp_path / "gpu.lock")
+    lock = GpuLock(path)
+    x = torch.randn(4096, 4096, device="cuda")
+    torch.cuda.synchronize()
+    lock.acquire()
+    for _ in range(200):
+        x = x @ x * 1e-3
+    done = torch.cuda.Event()
+    done.record()
+    released = lock.release_after(done)
+    assert not done.query() and lock.held      # the GPU is still busy: nobody else may start
+    assert released.wait(60) and done.query() and not lock.held
+    lock.close()
 
 
 def test_the_fast_backend_refuses_a_gpu_lock_that_is_not_one(bundle):

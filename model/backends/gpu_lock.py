@@ -3,11 +3,15 @@
 Scorer processes that share a GPU (configs/prod.yaml runs three per GPU) time-slice it: the driver preempts one
 context's running kernels to run another's. Under that preemption a fast-path forward has hung for good
 (BENCHMARKS.md, "Scorers sharing a GPU"); one process alone never has. Holding this lock from a forward's launch
-until its results are back means only one context on the GPU ever has work queued, so the driver switches
+until its GPU work is done means only one context on the GPU ever has work queued, so the driver switches
 contexts only between forwards and never preempts a kernel mid-flight. Processes still prepare their next batch
 on the CPU while another's forward runs. The lock is an `flock` on a file named by the GPU's UUID (every process
 on the node sees the same GPU under the same UUID, whatever CUDA_VISIBLE_DEVICES it has), released by the
 kernel when its process dies, so a replica that is killed never leaves the GPU locked.
+
+A polled forward (`launch`) hands its release to `release_after`: a thread of the lock's own waits on the
+forward's last CUDA event and unlocks at once, so the next process's forward does not wait for the launching
+thread's event loop to come round to collecting.
 """
 
 from __future__ import annotations
@@ -15,7 +19,9 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import queue
 import tempfile
+import threading
 import time
 
 log = logging.getLogger(__name__)
@@ -33,12 +39,15 @@ def lock_dir() -> str:
 class GpuLock:
     """An exclusive, re-entrant (by count) lock on one GPU shared by every process that opens the same path.
 
-    Not thread-safe by itself: callers serialise on their own lock first (the fast forward's engine lock)."""
+    Callers that take it serialise on their own lock first (the fast forward's engine lock); the count itself is
+    guarded, so a level handed to `release_after` may be given back from its thread while the caller goes on."""
 
     def __init__(self, path: str):
         self.path = path
         self._fd: int | None = None
         self._count = 0
+        self._mutex = threading.Lock()
+        self._after: queue.SimpleQueue | None = None   # (event, released) pairs for the release thread
         self.held_since: float | None = None   # time.monotonic() when this process took the lock; None if not held
         self.waits = 0                         # acquisitions that found another process holding it
         self.wait_s = 0.0                      # seconds spent waiting for it
@@ -51,6 +60,10 @@ class GpuLock:
 
     def acquire(self, blocking: bool = True) -> bool:
         """Take the lock (or one more level of it); False when `blocking` is off and another process holds it."""
+        with self._mutex:   # at count 0 no release is pending, so waiting here holds up no other thread
+            return self._acquire(blocking)
+
+    def _acquire(self, blocking: bool) -> bool:
         if self._count:
             self._count += 1
             return True
@@ -70,12 +83,40 @@ class GpuLock:
 
     def release(self) -> None:
         """Give back one level; the last one unlocks the file."""
-        if not self._count:
-            raise RuntimeError("GpuLock.release() without a matching acquire()")
-        self._count -= 1
-        if not self._count:
-            self.held_since = None
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
+        with self._mutex:
+            if not self._count:
+                raise RuntimeError("GpuLock.release() without a matching acquire()")
+            self._count -= 1
+            if not self._count:
+                self.held_since = None
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def release_after(self, done) -> threading.Event:
+        """Give back one level once the GPU has reached `done` (a torch.cuda.Event; None: now), from this lock's
+        release thread; returns a threading.Event set when it is given back. Levels handed over are released in
+        the order they were handed over."""
+        released = threading.Event()
+        with self._mutex:
+            if self._after is None:
+                self._after = queue.SimpleQueue()
+                threading.Thread(target=self._release_loop, args=(self._after,), name="gpu-lock-release",
+                                 daemon=True).start()
+        self._after.put((done, released))
+        return released
+
+    def _release_loop(self, after: queue.SimpleQueue) -> None:
+        while True:
+            done, released = after.get()
+            try:
+                if done is not None:
+                    done.synchronize()   # spins without the GIL; a CUDA error surfaces again at the collect
+            except Exception:  # noqa: BLE001 - the lock goes back whatever the GPU did
+                log.debug("GPU work before a lock release failed", exc_info=True)
+            try:
+                self.release()
+            except RuntimeError:   # closed meanwhile: the file, and so the lock, is already gone
+                log.warning("GPU lock %s closed before a handed-over release", self.path)
+            released.set()
 
     @property
     def held(self) -> bool:
@@ -91,9 +132,10 @@ class GpuLock:
 
     def close(self) -> None:
         """Close the file (unlocking it if held)."""
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd, self._count, self.held_since = None, 0, None
+        with self._mutex:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd, self._count, self.held_since = None, 0, None
 
 
 def for_device(device) -> GpuLock | None:

@@ -429,12 +429,17 @@ class ForwardOps:
         except BaseException:
             self._release()
             raise
-        return Launched(self, rows, pending)
+        # the GPU lock goes back as soon as the GPU is done, not when this thread comes round to collecting
+        released = self.gpu_lock.release_after(pending[1]) if self.gpu_lock is not None else None
+        return Launched(self, rows, pending, released)
 
-    def _release(self) -> None:
-        """Give back what `launch` took: the GPU lock, then the engine lock."""
+    def _release(self, released: Any = None) -> None:
+        """Give back what `launch` took: the GPU lock (or wait for `released`, its handed-over release), then the
+        engine lock."""
         try:
-            if self.gpu_lock is not None:
+            if released is not None:
+                released.wait()
+            elif self.gpu_lock is not None:
                 self.gpu_lock.release()
         finally:
             self._lock.release()
@@ -452,11 +457,12 @@ class ForwardOps:
 
 class Launched:
     """A one-chunk forward queued by `ForwardOps.launch`: `ready()` says (without waiting) whether its GPU work is
-    done; `collect()` waits for it, releases the forward's locks (the engine's and the GPU's) and returns `forward`'s
-    (logits, P(action 0)). The engine lock is re-entrant, held by the launching thread: collect on that thread."""
+    done; `collect()` waits for it, releases the forward's engine lock once the GPU lock is back (`released`, set by
+    the lock's release thread when the GPU is done) and returns `forward`'s (logits, P(action 0)). The engine lock is
+    re-entrant, held by the launching thread: collect on that thread."""
 
-    def __init__(self, fwd: ForwardOps, rows: list[Row], pending: tuple):
-        self._fwd, self._rows, self._pending = fwd, rows, pending
+    def __init__(self, fwd: ForwardOps, rows: list[Row], pending: tuple, released: Any = None):
+        self._fwd, self._rows, self._pending, self._released = fwd, rows, pending, released
         self._out: tuple[np.ndarray, np.ndarray] | None = None
 
     def ready(self) -> bool:
@@ -468,6 +474,6 @@ class Launched:
             try:
                 part = self._fwd._collect(self._pending)
             finally:
-                self._fwd._release()
+                self._fwd._release(self._released)
             self._out = self._fwd._assemble(self._rows, [part])
         return self._out
