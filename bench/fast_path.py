@@ -180,7 +180,7 @@ def run(a: argparse.Namespace, skip_attn: list[str]) -> int:
     flops_tok = flops_per_token(ec.hidden_size, ec.num_hidden_layers, ec.intermediate_size, 2, 4 * ec.hidden_size)
     res["flops_per_token"] = flops_tok
     engines = {}
-    for name in ("fast", "fast16", "eager", "fp32"):
+    for name in ("fast", "fast16", "fast8", "eager", "fp32"):
         try:
             engines.update(workloads.make_engines(a.ckpt, [name], a.max_batch_tokens, a.device, attn_cfg))
             res.setdefault("load", {})[name] = engines[name][1]

@@ -69,9 +69,11 @@ _ALL = (
             "Node-local directory compilers write into. Unset: `<cache dir>/local`, or a temp dir when the "
             "cache dir is on a network filesystem."),
     Setting("LAYA_FLEET_CUDA_AMP", "choice", None,
-            "Half precision of CUDA forwards, over the checkpoint's `amp_dtype` (upstream's `LAYA_CUDA_AMP` "
-            "is read too). Unset: the checkpoint's, fp16 before compute capability 8.",
-            choices=("fp16", "float16", "bf16", "bfloat16"), aliases=("LAYA_CUDA_AMP",)),
+            "Precision of CUDA forwards, over the checkpoint's `amp_dtype` (upstream's `LAYA_CUDA_AMP` is read "
+            "too). Unset: the checkpoint's, fp16 before compute capability 8. `fp8` (opt-in, fast backend only, "
+            "compute capability 8.9+): the encoder's GEMMs in e4m3 with per-channel weight and per-token "
+            "activation scales, the rest bf16; other backends refuse it.",
+            choices=("fp16", "float16", "bf16", "bfloat16", "fp8"), aliases=("LAYA_CUDA_AMP",)),
     Setting("LAYA_FLEET_COMPILE_REGIONAL", "choice", "auto",
             "`compile` backend: compile one encoder layer and reuse it (`1`), the whole forward (`0`), or "
             "choose by checkpoint size (`auto`).", choices=("auto", "0", "1")),

@@ -403,8 +403,11 @@ def test_cuda_autocast_dtype_follows_the_checkpoint_and_the_environment(monkeypa
 def test_a_bad_autocast_setting_names_the_variable(monkeypatch):
     from model.backends import cuda_amp_dtype
 
-    monkeypatch.setenv("LAYA_FLEET_CUDA_AMP", "fp8")
-    with pytest.raises(ValueError, match="LAYA_FLEET_CUDA_AMP='fp8'"):
+    monkeypatch.setenv("LAYA_FLEET_CUDA_AMP", "int8")
+    with pytest.raises(ValueError, match="LAYA_FLEET_CUDA_AMP='int8'"):
+        cuda_amp_dtype({"amp_dtype": "bf16"})
+    monkeypatch.setenv("LAYA_FLEET_CUDA_AMP", "fp8")   # a precision, but the fast backend's alone
+    with pytest.raises(ValueError, match="fp8 \\(from LAYA_FLEET_CUDA_AMP\\) runs on the fast backend only"):
         cuda_amp_dtype({"amp_dtype": "bf16"})
 
 

@@ -59,7 +59,7 @@ def test_values_are_read_when_asked_not_at_import(monkeypatch):
 @pytest.mark.parametrize("name,value,words", [
     ("LAYA_FLEET_AOT_LOAD_CHECK", "maybe", "use 1 or 0"),
     ("LAYA_FLEET_COMPILE_REGIONAL", "sometimes", "use one of auto, 0, 1"),
-    ("LAYA_FLEET_CUDA_AMP", "fp8", "use one of fp16"),
+    ("LAYA_FLEET_CUDA_AMP", "fp4", "use one of fp16"),
 ])
 def test_a_value_that_does_not_parse_names_the_variable(monkeypatch, name, value, words):
     monkeypatch.setenv(name, value)

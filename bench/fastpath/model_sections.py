@@ -13,7 +13,8 @@ from bench.fastpath.workloads import forward_batched, probs, rows_of
 
 
 def section_numerics(res: dict, engines: dict, n_cases: int, ckpt: str | None = None) -> None:
-    """fast and eager bf16 against fp32 eager on n_cases generated cases: max |dp|, argmax agreement."""
+    """fast (bf16, fp16, fp8) and eager bf16 against fp32 eager on n_cases generated cases: max |dp|, argmax
+    agreement."""
     from tests.cases import cases
 
     cs = cases(n_cases)
@@ -22,7 +23,7 @@ def section_numerics(res: dict, engines: dict, n_cases: int, ckpt: str | None = 
     out = {"cases": n_cases, "rows": len(rows), "tokens": sum(len(r) for r in rows)}
     ref_l, ref_p = forward_batched(eng, rows)
     ref = probs(ref_l, rows)
-    for name in ("eager", "fast", "fast16"):
+    for name in ("eager", "fast", "fast16", "fast8"):
         if name not in engines:
             continue
         lg, p0 = forward_batched(engines[name][0], rows)
@@ -73,7 +74,7 @@ def numerics_sources(out: dict, ckpt: str, rows, ref) -> None:
 def section_latency(res: dict, engines: dict, wl: dict) -> None:
     """Our engines on the latency workloads: end-to-end predict/predict_batch and forward only."""
     out = res.setdefault("latency", {})
-    for name in ("fast", "fast16", "eager"):
+    for name in ("fast", "fast16", "fast8", "eager"):
         if name not in engines:
             continue
         eng = engines[name][0]
@@ -121,7 +122,7 @@ def section_profile(res: dict, engines: dict, wl: dict) -> None:
     """GPU time per op kind of one fast forward (and fast16's): the 10x3@512 batch and a ~64k-token offline
     chunk."""
     out = {}
-    for name in ("fast", "fast16"):
+    for name in ("fast", "fast16", "fast8"):
         if name not in engines:
             continue
         eng = engines[name][0]
@@ -190,7 +191,7 @@ def section_offline(res: dict, engines: dict, wl: dict, flops_tok: float, budget
     """Offline throughput: forward-only over pre-encoded rows, and end-to-end predict_batch."""
     out = res.setdefault("offline", {})
     states, qs = wl["offline"]
-    for name in ("fast", "fast16", "eager"):
+    for name in ("fast", "fast16", "fast8", "eager"):
         if name not in engines or budget.left() < 30:
             continue
         eng = engines[name][0]

@@ -29,8 +29,8 @@ def text(rng: random.Random, n: int) -> str:
 
 
 def make_engines(ckpt: str, which: list[str], max_tokens: int, device: str = "cuda", attn_cfg=None) -> dict:
-    """Our engines by name: fast (TileLang, bf16), fast16 (TileLang, fp16), eager (bf16 autocast), fp32 (eager
-    fp32, TF32 off).
+    """Our engines by name: fast (TileLang, bf16), fast16 (TileLang, fp16), fast8 (the FP8 precision: e4m3 encoder
+    GEMMs, the rest bf16), eager (bf16 autocast), fp32 (eager fp32, TF32 off).
 
     On a CPU (a dry run of this script) `fast` runs its torch ops instead of the kernels."""
     import torch
@@ -40,12 +40,14 @@ def make_engines(ckpt: str, which: list[str], max_tokens: int, device: str = "cu
     out = {}
     for name in which:
         t = time.perf_counter()
-        if name in ("fast", "fast16"):
+        if name in ("fast", "fast16", "fast8"):
             extra = {"ops": "torch"} if device == "cpu" else {"tuning": proposal()}
             if attn_cfg is not None:
                 extra["attn_cfg"] = attn_cfg
             if name == "fast16":
                 extra["act_dtype"] = torch.float16
+            if name == "fast8":
+                extra["fp8"] = True
             eng = model.load(ckpt, device=device, backend="fast", max_batch_tokens=max_tokens, **extra)
             w = eng.warmup(max_tokens)
             out[name] = (eng, {"load_s": time.perf_counter() - t - w, "warmup_s": w,

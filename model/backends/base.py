@@ -30,20 +30,36 @@ def dtype_named(value: Any, what: str, allowed: tuple = HALF + (torch.float32,))
     return dt
 
 
-def cuda_amp_dtype(cfg: dict, device: torch.device | None = None) -> torch.dtype:
-    """The half-precision dtype a CUDA forward computes in, by upstream Laya's policy: $LAYA_FLEET_CUDA_AMP (or
-    upstream's $LAYA_CUDA_AMP) when set; fp16 on GPUs before compute capability 8 (no bf16 tensor cores); else
-    the checkpoint's `amp_dtype`: "bf16" / "bfloat16" is bf16 and anything else, or no field at all, fp16."""
+def cuda_precision(cfg: dict, device: torch.device | None = None) -> str:
+    """The precision a CUDA forward computes in, "fp16", "bf16" or "fp8", by upstream Laya's policy plus this
+    project's opt-in "fp8": $LAYA_FLEET_CUDA_AMP (or upstream's $LAYA_CUDA_AMP) when set; fp16 on GPUs before
+    compute capability 8 (no bf16 tensor cores); else the checkpoint's `amp_dtype`: "bf16" / "bfloat16" is bf16,
+    "fp8" is fp8 (the fast backend's encoder GEMMs in e4m3, activations bf16), anything else or no field fp16."""
     from .. import settings
 
     amp = settings.get("LAYA_FLEET_CUDA_AMP")
     if amp:
-        return dtype_named(amp, "LAYA_FLEET_CUDA_AMP", HALF)
+        return "fp8" if amp == "fp8" else "bf16" if dtype_named(amp, "LAYA_FLEET_CUDA_AMP", HALF) == torch.bfloat16 \
+            else "fp16"
     if device is not None and device.type == "cuda" and torch.cuda.is_available():
         idx = device.index if device.index is not None else torch.cuda.current_device()
         if torch.cuda.get_device_capability(idx)[0] < 8:
-            return torch.float16
-    return torch.bfloat16 if str(cfg.get("amp_dtype", "fp16")).lower() in ("bf16", "bfloat16") else torch.float16
+            return "fp16"
+    name = str(cfg.get("amp_dtype", "fp16")).lower()
+    return "bf16" if name in ("bf16", "bfloat16") else "fp8" if name == "fp8" else "fp16"
+
+
+def cuda_amp_dtype(cfg: dict, device: torch.device | None = None) -> torch.dtype:
+    """The half-precision dtype a CUDA forward of the eager, compile or aot backend computes in (`cuda_precision`);
+    ValueError where that is fp8, which only the fast backend runs."""
+    from .. import settings
+
+    prec = cuda_precision(cfg, device)
+    if prec == "fp8":
+        where = "LAYA_FLEET_CUDA_AMP" if settings.get("LAYA_FLEET_CUDA_AMP") else "the checkpoint's amp_dtype"
+        raise ValueError("precision fp8 (from %s) runs on the fast backend only; use backend 'fast' or 'auto' on a "
+                         "GPU with TileLang, or set LAYA_FLEET_CUDA_AMP=bf16" % where)
+    return torch.bfloat16 if prec == "bf16" else torch.float16
 
 
 class Backend(Protocol):

@@ -300,7 +300,8 @@ class CheckpointInfo(BaseModel):
     hash: str = Field(None, description="content hash of config, weights and tokenizer (model.bundle.checkpoint_hash)")
     model: str = Field(None, description="the model name answers carry")
     backend: str = Field(None, description="eager | compile | aot | fast")
-    dtype: str = Field(None, description="the precision the forward computes in", examples=["bfloat16", "float32"])
+    dtype: str = Field(None, description="the precision the forward computes in: bfloat16, float16, float32, or "
+                       "fp8-e4m3 (the encoder's GEMMs in e4m3, the rest bfloat16)", examples=["bfloat16", "float32"])
     device: str = Field(None, description="the device its scorer runs on")
     max_len: int = Field(None, description="tokens per row")
     head_max_len: int = Field(None, description="tokens per question head")

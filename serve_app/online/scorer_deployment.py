@@ -52,11 +52,14 @@ def _import(path: str):
 
 
 def _precision(engine: Any) -> str:
-    """The dtype an engine's forward computes in ("bfloat16", "float16", "float32"): its backend's autocast or
-    compute dtype, else its weights' dtype; an AOT package on CUDA is built in the checkpoint's half dtype."""
+    """The dtype an engine's forward computes in ("bfloat16", "float16", "float32", or the fast backend's
+    "fp8-e4m3"): the backend's own word for it, else its autocast or compute dtype, else its weights' dtype; an AOT
+    package on CUDA is built in the checkpoint's half dtype."""
     import torch
 
     backend = engine.backend
+    if isinstance(getattr(backend, "precision", None), str):
+        return backend.precision
     dt = getattr(backend, "dtype", None) or getattr(backend, "autocast", None)
     model = getattr(backend, "model", None)
     if dt is None and isinstance(model, torch.nn.Module):

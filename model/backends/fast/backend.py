@@ -21,9 +21,10 @@ from kernels import attention as _attn
 from kernels.tuning import TABLE, Tuning
 from model import settings
 from model.backends import gpu_lock as _gpu_lock
-from model.backends.base import HALF, BackendUnavailable, cuda_amp_dtype, dtype_named
+from model.backends.base import HALF, BackendUnavailable, cuda_precision, dtype_named
 from model.sequence import Row
 
+from . import fp8 as _fp8
 from .forward import OPS, ForwardOps, compile_specs, kernel_specs, sm_count, spec_op
 from .graphs import GraphRunner
 from .packing import Packing
@@ -66,8 +67,11 @@ class FastForward(ForwardOps, GraphRunner, Packing, DeviceWeights):
                  use_graphs: bool | None = None, max_batch_tokens: int | None = None,
                  act_dtype: torch.dtype | None = None, attn_cfg: _attn.AttnConfig = _attn.DEFAULT,
                  compile_workers: int | None = None, tuning: Tuning = TABLE,
-                 gpu_lock: _gpu_lock.GpuLock | None | str = "auto"):
+                 gpu_lock: _gpu_lock.GpuLock | None | str = "auto", fp8: bool = False):
         self.device = torch.device(device)
+        self.fp8 = bool(fp8)   # the encoder's GEMMs in e4m3 (fp8.py)
+        if self.fp8:
+            _fp8.check_device(self.device)
         self.ops = self._resolve_ops(ops)
         self.tuning = tuning
         uses_tl = "tilelang" in self.ops.values()
@@ -147,6 +151,12 @@ class FastBackend:
         self.device = engine.device
 
     @property
+    def precision(self) -> str:
+        """What the forward computes in: "bfloat16" / "float16" / "float32" (the activations and GEMMs), or
+        "fp8-e4m3" (the encoder's GEMMs in e4m3, the rest bfloat16)."""
+        return "fp8-e4m3" if self.engine.fp8 else str(self.engine.act_dtype).removeprefix("torch.")
+
+    @property
     def max_tokens_per_row(self) -> int:
         """The most tokens one row may hold (the encoder's positions, within the buffers): a body `max_len` above
         the checkpoint's is honoured as the eager backend and upstream's server honour it."""
@@ -186,9 +196,10 @@ def make_backend(model: torch.nn.Module, bundle: Any, device: torch.device, **op
     tuning (a kernels.tuning.Tuning table; default the committed one), gpu_lock (a model.backends.gpu_lock.GpuLock,
     or None for none; default the CUDA device's: one process's forward on a GPU at a time), act_dtype (activations
     and GEMM weights: torch.bfloat16 or torch.float16 / "fp16"; on CUDA it defaults to the checkpoint's autocast
-    dtype, see model.backends.base.cuda_amp_dtype)."""
+    dtype, see model.backends.base.cuda_precision), fp8 (the encoder's GEMMs in e4m3, see fp8.py; on CUDA it defaults
+    to the checkpoint's precision being fp8)."""
     allowed = {"ops", "use_graphs", "max_batch_tokens", "compile_workers", "attn_cfg", "act_dtype", "tuning",
-               "gpu_lock"}
+               "gpu_lock", "fp8"}
     unknown = set(options) - allowed
     if unknown:
         raise ValueError("unknown fast backend options %s (use %s)" % (sorted(unknown), sorted(allowed)))
@@ -198,7 +209,9 @@ def make_backend(model: torch.nn.Module, bundle: Any, device: torch.device, **op
     if device.type == "cuda" and options.get("act_dtype") is None and options.get("ops", "tilelang") != "torch":
         # the checkpoint's precision, like the eager, compile and aot backends and upstream Laya: amp_dtype
         # (bf16 in published checkpoints), $LAYA_FLEET_CUDA_AMP / $LAYA_CUDA_AMP, fp16 before compute capability 8
-        options["act_dtype"] = cuda_amp_dtype(bundle.cfg, device)
+        prec = cuda_precision(bundle.cfg, device)
+        options["act_dtype"] = torch.float16 if prec == "fp16" else torch.bfloat16
+        options.setdefault("fp8", prec == "fp8")
     return FastBackend(FastForward(model, bundle, device, **options))
 
 

@@ -30,6 +30,7 @@ from kernels.tuning import TABLE, Tuning, pick_add_ln, pick_geglu, pick_gemm, pi
 from model.network import confidence_features
 from model.sequence import Row
 
+from . import fp8 as _fp8
 from .packing import pow2
 from .weights import SCORER_PAD
 
@@ -152,7 +153,9 @@ class ForwardOps:
 
     def _gemm(self, a, w, bias, out, act="none"):
         tok = self._mark("gemm %dx%d" % (w.shape[0], a.shape[1]))
-        if self.ops["gemm"] == "tilelang":
+        if isinstance(w, _fp8.Fp8Weight):   # the FP8 precision's encoder GEMMs (fp8.py)
+            out.copy_(_fp8.gemm(a, w, bias, act))
+        elif self.ops["gemm"] == "tilelang":
             M, N = a.shape[0], w.shape[0]
             b = bias if bias is not None else self._zero_bias[:N]
             ws = self._ws_cfg(M, N, a.dtype, out.dtype, K=a.shape[1])
@@ -167,7 +170,7 @@ class ForwardOps:
 
     def _fused_rope(self, M: int) -> bool:
         """Whether Wqkv's GEMM rotates Q and K in its epilogue at M tokens (both ops TileLang, a 64-wide tile)."""
-        return (self.ops["gemm"] == "tilelang" and self.ops["rope"] == "tilelang"
+        return (not self.fp8 and self.ops["gemm"] == "tilelang" and self.ops["rope"] == "tilelang"
                 and (self._ws_cfg(M, 3 * self.d, self.act_dtype, self.act_dtype, K=self.d) is not None
                      or pick_gemm(M, 3 * self.d, self.d, self.tuning).bn % 64 == 0))
 
@@ -191,7 +194,9 @@ class ForwardOps:
 
     def _geglu(self, a, wi, out):
         tok = self._mark("geglu %dx%d" % (wi.shape[0] // 2, a.shape[1]))
-        if self.ops["geglu"] == "tilelang":
+        if isinstance(wi, _fp8.Fp8Weight):
+            out.copy_(_fp8.geglu(a, wi))
+        elif self.ops["geglu"] == "tilelang":
             Fd = wi.shape[0] // 2
             ws = self._ws_cfg(a.shape[0], Fd, a.dtype, out.dtype, geglu=True, K=a.shape[1])
             if ws is not None:

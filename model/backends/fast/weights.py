@@ -27,6 +27,8 @@ from model.backends.base import BackendUnavailable
 from model.backends.torch_encoder import rope_tables
 from model.bundle import Bundle, load_weights
 
+from . import fp8 as _fp8
+
 log = logging.getLogger(__name__)
 
 ENC = "encoder."
@@ -132,8 +134,8 @@ SCORER_PAD = 16   # the scorer's 1-wide output layer runs as a 16-wide GEMM (zer
 
 
 class _Layer:
-    """Weights of one encoder or head layer on the device (GEMM weights in the activation dtype, norms and
-    biases fp32)."""
+    """Weights of one encoder or head layer on the device (GEMM weights in the activation dtype, or an encoder's
+    as fp8.Fp8Weight under the FP8 precision; norms and biases fp32)."""
 
     def __init__(self, **kw: Any):
         self.__dict__.update(kw)
@@ -172,6 +174,9 @@ class DeviceWeights:
         def w(t: torch.Tensor) -> torch.Tensor:
             return t.detach().to(device=dev, dtype=adt).contiguous()
 
+        def e(t: torch.Tensor) -> Any:   # an encoder GEMM weight: e4m3 with per-channel scales under fp8
+            return _fp8.quantize_weight(t.detach().to(dev)) if self.fp8 else w(t)
+
         def f(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.detach().to(device=dev, dtype=torch.float32).contiguous()
 
@@ -190,10 +195,10 @@ class DeviceWeights:
             norm = layer.attn_norm if i > 0 else None
             self.layers.append(_Layer(
                 attn_norm=None if norm is None else (f(norm.weight), f(getattr(norm, "bias", None))),
-                wqkv=w(layer.attn.Wqkv.weight), bqkv=f(layer.attn.Wqkv.bias),
-                wo=w(layer.attn.Wo.weight), bo=f(layer.attn.Wo.bias),
+                wqkv=e(layer.attn.Wqkv.weight), bqkv=f(layer.attn.Wqkv.bias),
+                wo=e(layer.attn.Wo.weight), bo=f(layer.attn.Wo.bias),
                 mlp_norm=(f(layer.mlp_norm.weight), f(getattr(layer.mlp_norm, "bias", None))),
-                wi=w(layer.mlp.Wi.weight), wo2=w(layer.mlp.Wo.weight), bo2=f(layer.mlp.Wo.bias),
+                wi=e(layer.mlp.Wi.weight), wo2=e(layer.mlp.Wo.weight), bo2=f(layer.mlp.Wo.bias),
                 window=int(window) if types[i] == "sliding_attention" else 0, rope=types[i]))
         fn = enc.final_norm
         self.final_norm = (f(fn.weight), f(getattr(fn, "bias", None)))

@@ -1,0 +1,130 @@
+"""The fast forward's FP8 precision (model/backends/fast/fp8.py): e4m3 rounding and scales, the scaled GEMM's
+semantics, the whole forward on CPU (torch ops; `torch._scaled_mm` runs there too) and on a GPU, and how the
+precision is chosen (setting, checkpoint) and refused where it cannot run."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+import torch
+
+from model.backends.base import cuda_amp_dtype, cuda_precision
+from model.backends.fast import fp8, make_backend
+from model.bundle import load_model
+
+HAS_TILELANG = importlib.util.find_spec("tilelang") is not None
+
+
+def _softmax(logits):
+    z = logits - logits.max(-1, keepdims=True)
+    e = np.exp(z)
+    return e / e.sum(-1, keepdims=True)
+
+
+def _rows_of_many_ranges(seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(64, 256, generator=g) * torch.logspace(-4, 3, 64).unsqueeze(1)
+    x[5] = 0.0                      # a zero row must quantise to zeros, not NaN
+    x[9, 7] = 1e4                   # one outlier: only its own row's resolution drops
+    return x
+
+
+def test_rows_and_weight_channels_round_within_one_e4m3_half_step():
+    x = _rows_of_many_ranges()
+    q, s = fp8.quantize_rows(x)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (64, 1) and s.dtype == torch.float32
+    deq = q.float() * s
+    # 3 mantissa bits: half a step is 2^-4 of the value for normals; subnormals step by 2^-9 of the scale
+    bound = 2.0 ** -4 * x.abs() + 2.0 ** -10 * s + 1e-30
+    assert torch.isfinite(deq).all() and ((deq - x).abs() <= bound).all()
+    assert (deq[5] == 0).all()
+    assert (q.float().abs().amax(1)[torch.arange(64) != 5] == fp8.E4M3_MAX).all()   # each row uses the full range
+    w = fp8.quantize_weight(x)
+    assert w.shape == (64, 256) and w.scale.shape == (1, 64)
+    torch.testing.assert_close(w.q.float() * w.scale.t(), deq, rtol=0, atol=0)
+
+
+def test_the_scaled_gemm_is_the_product_of_the_dequantised_operands():
+    """Row scales multiply rows of the output and channel scales its columns (a swap or transpose fails this)."""
+    a = _rows_of_many_ranges(1)[:48]
+    w = fp8.quantize_weight(torch.randn(80, 256, generator=torch.Generator().manual_seed(2))
+                            * torch.logspace(-2, 2, 80).unsqueeze(1))
+    a8, sa = fp8.quantize_rows(a)
+    want = (a8.float() * sa) @ (w.q.float() * w.scale.t()).t()
+    got = fp8.matmul(a, w)
+    assert got.dtype == torch.bfloat16 and got.shape == (48, 80)
+    torch.testing.assert_close(got.float(), want, rtol=2.0 ** -7, atol=1e-6 * want.abs().max().item())
+    bias = torch.randn(80)
+    y = fp8.gemm(a, w, bias, "relu")
+    torch.testing.assert_close(y, torch.relu(got.float() + bias))
+    wi = fp8.quantize_weight(torch.randn(160, 256, generator=torch.Generator().manual_seed(3)))
+    x, gate = fp8.matmul(a, wi).float().chunk(2, -1)
+    torch.testing.assert_close(fp8.geglu(a, wi), torch.nn.functional.gelu(x) * gate)
+
+
+@pytest.fixture(scope="module")
+def fp8_forward(bundle, rows):
+    fast = make_backend(load_model(bundle), bundle, torch.device("cpu"), ops="torch", fp8=True)
+    return fast, fast.forward(rows)
+
+
+def test_the_fp8_forward_stays_near_fp32_and_says_so(bundle, rows, rows_scored, fp8_forward):
+    """The encoder's GEMM weights are e4m3, the head's stay as they were; answers finite and near the fp32
+    reference, further from it than bf16 (e4m3 keeps 3 mantissa bits to bf16's 7)."""
+    from serve_app.online.scorer_deployment import _precision
+
+    fast, (logits, act) = fp8_forward
+    ly = fast.engine.layers[0]
+    for name in ("wqkv", "wo", "wi", "wo2"):
+        assert isinstance(getattr(ly, name), fp8.Fp8Weight) and getattr(ly, name).q.dtype == torch.float8_e4m3fn
+    assert fast.engine.head_layers[0].win.dtype == torch.float32 and fast.precision == "fp8-e4m3"
+    assert _precision(type("E", (), {"backend": fast, "device": torch.device("cpu")})()) == "fp8-e4m3"
+    l_ref, p_ref = rows_scored
+    assert logits.shape == l_ref.shape and np.isfinite(logits).all() and np.isfinite(act).all()
+    dp = np.abs(_softmax(logits) - _softmax(l_ref)).max()
+    agree = (logits.argmax(-1) == l_ref.argmax(-1)).mean()
+    bf16 = make_backend(load_model(bundle), bundle, torch.device("cpu"), ops="torch", act_dtype=torch.bfloat16)
+    dp_bf = np.abs(_softmax(bf16.forward(rows)[0]) - _softmax(l_ref)).max()
+    assert dp_bf < dp < 1.0 and agree >= 0.75, (dp, dp_bf, agree)
+    assert np.abs(act - p_ref).max() < 0.1
+
+
+def test_fp8_is_chosen_by_setting_or_checkpoint_and_refused_off_the_fast_backend(monkeypatch):
+    monkeypatch.delenv("LAYA_FLEET_CUDA_AMP", raising=False)
+    monkeypatch.delenv("LAYA_CUDA_AMP", raising=False)
+    assert cuda_precision({"amp_dtype": "fp8"}) == "fp8"
+    assert cuda_precision({"amp_dtype": "bf16"}) == "bf16" and cuda_precision({}) == "fp16"
+    with pytest.raises(ValueError, match="fp8 \\(from the checkpoint's amp_dtype\\) runs on the fast backend only"):
+        cuda_amp_dtype({"amp_dtype": "fp8"})
+    monkeypatch.setenv("LAYA_FLEET_CUDA_AMP", "FP8")
+    assert cuda_precision({"amp_dtype": "bf16"}) == "fp8"
+    with pytest.raises(ValueError, match="fp8 \\(from LAYA_FLEET_CUDA_AMP\\)"):
+        cuda_amp_dtype({})
+    monkeypatch.setenv("LAYA_FLEET_CUDA_AMP", "bf16")
+    assert cuda_precision({"amp_dtype": "fp8"}) == "bf16" and cuda_amp_dtype({"amp_dtype": "fp8"}) == torch.bfloat16
+    monkeypatch.setenv("LAYA_FLEET_CUDA_AMP", "fp4")
+    with pytest.raises(ValueError, match="LAYA_FLEET_CUDA_AMP='fp4'.*fp8"):
+        cuda_precision({})
+
+
+# -- GPU ----------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_TILELANG, reason="needs tilelang")
+def test_fp8_on_the_gpu_matches_its_cpu_form_and_captures_nothing_after_warm_up(bundle, rows, rows_scored,
+                                                                               fp8_forward, monkeypatch):
+    """LAYA_FLEET_CUDA_AMP=fp8 turns the fast backend's GEMMs to cuBLASLt's e4m3 on its own; the answers sit as
+    near fp32 as the CPU form's (the same rounding, another summation order), graphs and all."""
+    monkeypatch.setenv("LAYA_FLEET_CUDA_AMP", "fp8")
+    fast = make_backend(load_model(bundle), bundle, torch.device("cuda"), max_batch_tokens=4096)
+    assert fast.engine.fp8 and fast.engine.act_dtype == torch.bfloat16 and fast.precision == "fp8-e4m3"
+    fast.warmup(4096)
+    logits, act = fast.forward(rows)
+    assert fast.stats.captures_after_warmup == 0
+    l_ref, _ = rows_scored
+    assert np.isfinite(logits).all() and np.isfinite(act).all()
+    dp = np.abs(_softmax(logits) - _softmax(l_ref)).max()
+    dp_cpu = np.abs(_softmax(fp8_forward[1][0]) - _softmax(l_ref)).max()
+    assert dp <= max(0.05, 1.5 * dp_cpu), (dp, dp_cpu)
+    assert (logits.argmax(-1) == l_ref.argmax(-1)).mean() >= 0.75
