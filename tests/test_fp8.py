@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from kernels import quant
 from model.backends.base import cuda_amp_dtype, cuda_precision
 from model.backends.fast import fp8, make_backend
 from model.bundle import load_model
@@ -44,6 +45,7 @@ def test_rows_and_weight_channels_round_within_one_e4m3_half_step():
     w = fp8.quantize_weight(x)
     assert w.shape == (64, 256) and w.scale.shape == (1, 64)
     torch.testing.assert_close(w.q.float() * w.scale.t(), deq, rtol=0, atol=0)
+    assert fp8.quantize_rows(x, "tilelang")[0].equal(q)   # on CPU the kernel's torch form runs
 
 
 def test_the_scaled_gemm_is_the_product_of_the_dequantised_operands():
@@ -61,7 +63,12 @@ def test_the_scaled_gemm_is_the_product_of_the_dequantised_operands():
     torch.testing.assert_close(y, torch.relu(got.float() + bias))
     wi = fp8.quantize_weight(torch.randn(160, 256, generator=torch.Generator().manual_seed(3)))
     x, gate = fp8.matmul(a, wi).float().chunk(2, -1)
-    torch.testing.assert_close(fp8.geglu(a, wi), torch.nn.functional.gelu(x) * gate)
+    qg, sg = fp8.geglu(a, wi)      # quantised for the next GEMM
+    qh, sh = fp8.quantize_rows(torch.nn.functional.gelu(x) * gate)
+    assert torch.equal(qg.float(), qh.float()) and torch.equal(sg, sh) and sg.shape == (48, 1)
+    assert fp8.matmul((qg, sg), w2 := fp8.quantize_weight(torch.randn(8, 80))).shape == (48, 8)
+    out = torch.empty(48, 8, dtype=torch.bfloat16)
+    assert fp8.gemm((qg, sg), w2, out=out) is out and torch.equal(out, fp8.matmul((qg, sg), w2))
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +116,78 @@ def test_fp8_is_chosen_by_setting_or_checkpoint_and_refused_off_the_fast_backend
         cuda_precision({})
 
 
+def test_the_quantisation_references_are_the_per_row_formula():
+    a = _rows_of_many_ranges(4)
+    q, s = quant.quant_rows_ref(a)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (64,)
+    torch.testing.assert_close(s, a.abs().amax(1).clamp(min=1e-12) / 448.0)
+    assert torch.equal(q.float(), (a / s[:, None]).to(torch.float8_e4m3fn).float())
+    p = torch.randn(9, 2 * 192)
+    qg, sg = quant.geglu_quant_ref(p)
+    h = torch.nn.functional.gelu(p[:, :192]) * p[:, 192:]
+    qh, sh = quant.quant_rows_ref(h)
+    assert torch.equal(qg.float(), qh.float()) and torch.equal(sg, sh)
+    assert quant.fits(1024) and quant.fits(2624) and not quant.fits(1000)
+
+
+@pytest.mark.skipif(not HAS_TILELANG, reason="needs tilelang")
+@pytest.mark.parametrize("K,geglu", [(1024, False), (2624, True)])
+def test_the_quantisation_kernels_compile_for_hopper_one_reduction_a_row(monkeypatch, tmp_path, K, geglu):
+    """Built for sm_90a without a GPU: each thread holds bm * bk / threads floats of a chunk, the row maximum is
+    one all-reduce after the first walk (not one per chunk), and the store converts to e4m3 with saturation."""
+    import re
+
+    from kernels import _tl
+
+    monkeypatch.setattr(_tl, "_config", {"cache_dir": str(tmp_path), "arch": "sm_90a"})
+    monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path))
+    cfg = quant.DEFAULT
+    src = quant.quant_kernel(K, geglu).get_kernel_source()
+    assert re.findall(r"float x\[(\d+)\]", src) == [str(cfg.bm * cfg.bk // cfg.threads)]
+    assert src.count("AllReduce<tl::MaxOp") == 1 and "__NV_SATFINITE, __NV_E4M3" in src
+    assert ("erf" in src) == geglu
+    with pytest.raises(ValueError, match="multiple of the chunk width"):
+        quant.build_quant(1000)
+
+
 # -- GPU ----------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_TILELANG, reason="needs tilelang")
+@pytest.mark.parametrize("M", [1, 77, 1003, 40000])
+@pytest.mark.parametrize("K,geglu", [(1024, False), (2624, True)])
+def test_the_quantisation_kernels_equal_their_references(M, K, geglu):
+    g = torch.Generator(device="cuda").manual_seed(M)
+    a = (torch.randn(M, 2 * K if geglu else K, device="cuda", generator=g)
+         * torch.logspace(-3, 2, M, device="cuda").unsqueeze(1)).bfloat16()
+    a[M // 2] = 0
+    q, s = quant.quant(a, geglu)
+    qr, sr = (quant.geglu_quant_ref if geglu else quant.quant_rows_ref)(a)
+    torch.testing.assert_close(s, sr, rtol=1e-6, atol=0)
+    diff = (q.float() - qr.float()).abs()
+    if geglu:   # erf's last bits may differ from torch's: at most one e4m3 step, on a sliver of the values
+        assert (diff > 0).float().mean() < 1e-3 and (diff <= qr.float().abs() / 8 + 2.0 ** -9).all()
+    else:
+        assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8))
+    assert (q[M // 2].float() == 0).all() and torch.isfinite(s).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_TILELANG, reason="needs tilelang")
+def test_fp8_with_the_kernels_equals_fp8_with_torch_ops_on_the_gpu(bundle, rows):
+    """The quantisation kernels change nothing but where the work runs: the forward with them against the same
+    forward with every op in torch, both on the GPU."""
+    dev = torch.device("cuda")
+    fast = make_backend(load_model(bundle), bundle, dev, max_batch_tokens=4096, fp8=True)
+    ref = make_backend(load_model(bundle), bundle, dev, max_batch_tokens=4096, fp8=True, ops="torch",
+                       act_dtype=torch.bfloat16, use_graphs=False)
+    assert ("quant", (bundle.encoder_config.hidden_size, False, torch.bfloat16)) in fast.engine._kernel_specs()
+    l1, p1 = fast.forward(rows)
+    l2, p2 = ref.forward(rows)
+    dp = np.abs(_softmax(l1) - _softmax(l2)).max()
+    assert dp < 0.05 and (l1.argmax(-1) == l2.argmax(-1)).mean() >= 0.97, dp
+
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_TILELANG, reason="needs tilelang")
 def test_fp8_on_the_gpu_matches_its_cpu_form_and_captures_nothing_after_warm_up(bundle, rows, rows_scored,

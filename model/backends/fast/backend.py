@@ -18,6 +18,7 @@ import torch
 
 from kernels import _tl
 from kernels import attention as _attn
+from kernels import quant as _quant
 from kernels.tuning import TABLE, Tuning
 from model import settings
 from model.backends import gpu_lock as _gpu_lock
@@ -131,6 +132,9 @@ class FastForward(ForwardOps, GraphRunner, Packing, DeviceWeights):
                              | {self.scorer_norm[2]}, ly.bqkv is not None, ly.bo is not None,
                              self.emb_norm[1] is not None, self.attn_cfg, self.act_dtype, table=self.tuning,
                              arch=self.arch, sms=self.sms)
+        if self.fp8:   # the encoder's GEMM inputs quantised per token: after LayerNorm and attention, the GeGLU's
+            specs += [("quant", (K, g, self.act_dtype)) for K, g in ((self.d, False), (self.inter, True))
+                      if _quant.fits(K)]
         return [sp for sp in specs if self.ops[spec_op(sp)] == "tilelang"]
 
     def _compile_all(self, workers: int | None) -> None:

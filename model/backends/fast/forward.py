@@ -25,6 +25,7 @@ from kernels import geglu as _geglu
 from kernels import gemm as _gemm
 from kernels import gemm_manual as _gm
 from kernels import layernorm as _ln
+from kernels import quant as _quant
 from kernels import rope as _rope
 from kernels.tuning import TABLE, Tuning, pick_add_ln, pick_geglu, pick_gemm, pick_gemm_ws
 from model.network import confidence_features
@@ -106,11 +107,13 @@ def spec_op(spec: tuple[str, tuple]) -> str:
     kind, args = spec
     if kind == "gemm_ws":
         return "geglu" if args[6] else "gemm"
+    if kind == "quant":   # the FP8 precision's quantisation of a GEMM input (of the GeGLU: args[1])
+        return "geglu" if args[1] else "gemm"
     return kind
 
 
 BUILDERS = {"gemm": _gemm.gemm_kernel, "gemm_ws": _gm.gemm_manual_kernel, "geglu": _geglu.geglu_kernel,
-            "add_ln": _ln.add_ln_kernel,
+            "add_ln": _ln.add_ln_kernel, "quant": _quant.quant_kernel,
             "rope": _rope.rope_kernel, "attention": _attn.attention_kernel}
 
 
@@ -152,9 +155,9 @@ class ForwardOps:
             self._prof.append((tok[0], tok[1], ev))
 
     def _gemm(self, a, w, bias, out, act="none"):
-        tok = self._mark("gemm %dx%d" % (w.shape[0], a.shape[1]))
-        if isinstance(w, _fp8.Fp8Weight):   # the FP8 precision's encoder GEMMs (fp8.py)
-            out.copy_(_fp8.gemm(a, w, bias, act))
+        tok = self._mark("gemm %dx%d" % (w.shape[0], w.shape[1]))
+        if isinstance(w, _fp8.Fp8Weight):   # the FP8 precision's encoder GEMMs (fp8.py); `a` may come quantised
+            _fp8.gemm(a, w, bias, act, self.ops["gemm"], out)
         elif self.ops["gemm"] == "tilelang":
             M, N = a.shape[0], w.shape[0]
             b = bias if bias is not None else self._zero_bias[:N]
@@ -194,8 +197,8 @@ class ForwardOps:
 
     def _geglu(self, a, wi, out):
         tok = self._mark("geglu %dx%d" % (wi.shape[0] // 2, a.shape[1]))
-        if isinstance(wi, _fp8.Fp8Weight):
-            out.copy_(_fp8.geglu(a, wi))
+        if isinstance(wi, _fp8.Fp8Weight):   # quantised for the next GEMM: (e4m3, scales), not `out`
+            out = _fp8.geglu(a, wi, self.ops["gemm"], self.ops["geglu"])
         elif self.ops["geglu"] == "tilelang":
             Fd = wi.shape[0] // 2
             ws = self._ws_cfg(a.shape[0], Fd, a.dtype, out.dtype, geglu=True, K=a.shape[1])
@@ -207,6 +210,7 @@ class ForwardOps:
         else:
             out.copy_(_geglu.geglu_ref(a, wi))
         self._done(tok)
+        return out
 
     def _add_ln(self, x, r, norm, eps, y, mode):
         tok = self._mark("add_ln")
@@ -287,8 +291,7 @@ class ForwardOps:
             self._gemm(Ob, ly.wo, ly.bo, R)
             self._add_ln(X, R, ly.mlp_norm, self.eps, Y, "add")
             G = self.G[:Tb * self.inter].view(Tb, self.inter)
-            self._geglu(Y, ly.wi, G)
-            self._gemm(G, ly.wo2, ly.bo2, R)
+            self._gemm(self._geglu(Y, ly.wi, G), ly.wo2, ly.bo2, R)
             if i + 1 < n:
                 self._add_ln(X, R, self.layers[i + 1].attn_norm, self.eps, Y, "add")
             else:

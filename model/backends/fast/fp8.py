@@ -3,7 +3,9 @@
 Scaling: each weight row (output channel) by its own absolute maximum, fixed at load; each activation row (token)
 by its own, measured as the row is quantised. A product is then `torch._scaled_mm` with those two scale vectors
 (cuBLASLt's FP8 tensor-core GEMM on sm_89+; the same call runs on CPU, so the numerics can be checked there),
-and the bias, activation and GeGLU are applied to its bf16 output. Everything else stays as in bf16: the fp32
+written straight into the forward's bf16 buffer. The activations are quantised by kernels/quant.py (one pass
+over them; the GeGLU is computed in the same pass from the Wi product, so its output goes to the next GEMM in
+e4m3) or, with torch ops, by its reference form. Everything else stays as in bf16: the fp32
 residual stream, LayerNorm, attention and its softmax, the decision head and scorer (whose GEMMs are a sliver of
 the FLOPs and whose outputs are the answers).
 
@@ -19,8 +21,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels import quant as _quant
+
 E4M3 = torch.float8_e4m3fn
-E4M3_MAX = 448.0
+E4M3_MAX = _quant.E4M3_MAX
 MIN_CAPABILITY = (8, 9)   # FP8 tensor cores: Ada and Hopper on
 
 
@@ -47,47 +51,55 @@ def check_device(device: torch.device) -> None:
                          % (torch.cuda.get_device_name(idx), cap[0], cap[1]))
 
 
-def _scales(x: torch.Tensor) -> torch.Tensor:
-    """Per-row dequantisation scales [rows, 1] fp32: the row's absolute maximum over e4m3's largest value (a zero
-    row gets a tiny positive scale, so it quantises to zeros rather than NaNs)."""
-    return x.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / E4M3_MAX
-
-
 def quantize_weight(w: torch.Tensor) -> Fp8Weight:
     """W[N, K] (any float dtype, on its device) as an Fp8Weight with one scale per output channel."""
-    w = w.detach().float()
-    s = _scales(w)
-    return Fp8Weight((w / s).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).contiguous(), s.t().contiguous())
+    q, s = _quant.quant_rows_ref(w.detach())
+    return Fp8Weight(q.contiguous(), s.view(1, -1).contiguous())
 
 
-def quantize_rows(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A[M, K] as (e4m3 [M, K], dequantisation scales [M, 1] fp32), one scale per row (token)."""
-    s = _scales(a)
-    return (a.float() / s).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), s
+def quantize_rows(a: torch.Tensor, impl: str = "torch", geglu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """A[M, K] as (e4m3 [M, K], dequantisation scales [M, 1] fp32), one scale per row (token); geglu: A is the Wi
+    product [M, 2F] and what is quantised its GeGLU [M, F]. impl "tilelang": kernels/quant.py's kernel (CUDA, K a
+    whole number of its chunks), else the torch form."""
+    K = a.shape[1] // 2 if geglu else a.shape[1]
+    if impl == "tilelang" and a.is_cuda and _quant.fits(K):
+        q, s = _quant.quant(a, geglu)
+    else:
+        q, s = (_quant.geglu_quant_ref if geglu else _quant.quant_rows_ref)(a)
+    return q, s.view(-1, 1)
 
 
-def matmul(a: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
-    """a @ W^T in FP8 (a quantised per row), fp32 accumulation, bf16 out."""
-    a8, sa = quantize_rows(a)
-    return torch._scaled_mm(a8, w.q.t(), scale_a=sa, scale_b=w.scale, out_dtype=torch.bfloat16)
+def _scaled(q: tuple[torch.Tensor, torch.Tensor], w: Fp8Weight, out: torch.Tensor | None = None) -> torch.Tensor:
+    return torch._scaled_mm(q[0], w.q.t(), scale_a=q[1], scale_b=w.scale, out_dtype=torch.bfloat16, out=out)
 
 
-def gemm(a: torch.Tensor, w: Fp8Weight, bias: torch.Tensor | None = None, act: str = "none") -> torch.Tensor:
-    """act(a @ W^T + bias) with the product in FP8; fp32 result (the caller stores it in its buffer's dtype)."""
-    y = matmul(a, w).float()
+def matmul(a: torch.Tensor | tuple, w: Fp8Weight, impl: str = "torch") -> torch.Tensor:
+    """a @ W^T in FP8 (a quantised per row, or already an (e4m3, scales) pair), fp32 accumulation, bf16 out."""
+    return _scaled(a if isinstance(a, tuple) else quantize_rows(a, impl), w)
+
+
+def gemm(a: torch.Tensor | tuple, w: Fp8Weight, bias: torch.Tensor | None = None, act: str = "none",
+         impl: str = "torch", out: torch.Tensor | None = None) -> torch.Tensor:
+    """act(a @ W^T + bias) with the product in FP8, into `out` (its dtype) or as a new fp32 tensor. A bf16 `out`
+    with no bias or activation (the encoder's products) takes the product directly."""
+    q = a if isinstance(a, tuple) else quantize_rows(a, impl)
+    if out is not None and out.dtype == torch.bfloat16 and bias is None and act == "none" and out.is_contiguous():
+        return _scaled(q, w, out)
+    y = _scaled(q, w).float()
     if bias is not None:
         y = y + bias
     if act == "gelu":
         y = F.gelu(y)
     elif act == "relu":
         y = F.relu(y)
-    return y
+    return y if out is None else out.copy_(y)
 
 
-def geglu(a: torch.Tensor, wi: Fp8Weight) -> torch.Tensor:
-    """gelu(a @ Wi[:F]^T) * (a @ Wi[F:]^T), ModernBERT's GeGLU, with the product in FP8; fp32 result."""
-    x, gate = matmul(a, wi).float().chunk(2, -1)
-    return F.gelu(x) * gate
+def geglu(a: torch.Tensor | tuple, wi: Fp8Weight, impl: str = "torch", geglu_impl: str = "torch"
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """ModernBERT's GeGLU gelu(a @ Wi[:F]^T) * (a @ Wi[F:]^T) with the product in FP8, returned quantised per row
+    for the next GEMM: (e4m3 [M, F], scales [M, 1]). impl quantises `a`, geglu_impl the GeGLU."""
+    return quantize_rows(matmul(a, wi, impl), geglu_impl, geglu=True)
 
 
 __all__ = ["Fp8Weight", "E4M3_MAX", "check_device", "quantize_weight", "quantize_rows", "matmul", "gemm", "geglu"]
