@@ -3,16 +3,23 @@
 # py3langid, which the ingress needs and the Ray bundle lacks) into /tmp/site unless a previous run
 # on the same warm machine already did, extracts the packed kernel caches (.gpu/fast-tl-cache.tar.xz, and
 # .gpu/test-tl-cache.tar.xz for the GPU tests) into /tmp/lfc, writes the
-# `serve` / `ray` / `laya-serve` entry points the bundles lack, and exports PYTHONPATH and the cache dir.
+# `serve` / `ray` / `laya-serve` entry points the bundles lack, exports PYTHONPATH and the cache dir, and
+# byte-compiles the site once in the background.
 mkdir -p /tmp/site /tmp/lfc
-if [ -f .gpu/ray-site.tar.xz ] && [ ! -d /tmp/site/ray ]; then tar -xJf .gpu/ray-site.tar.xz -C /tmp/site; fi
-if [ -f .gpu/tilelang-site.tar.xz ] && [ ! -d /tmp/site/tilelang ]; then tar -xJf .gpu/tilelang-site.tar.xz -C /tmp/site; fi
+_new=0
+if [ -f .gpu/ray-site.tar.xz ] && [ ! -d /tmp/site/ray ]; then tar -xJf .gpu/ray-site.tar.xz -C /tmp/site; _new=1; fi
+if [ -f .gpu/tilelang-site.tar.xz ] && [ ! -d /tmp/site/tilelang ]; then
+  tar -xJf .gpu/tilelang-site.tar.xz -C /tmp/site; _new=1
+fi
 for c in .gpu/fast-tl-cache.tar.xz .gpu/test-tl-cache.tar.xz; do [ -f "$c" ] && tar -xJf "$c" -C /tmp/lfc; done
 for w in .whl/*.whl; do  # each wheel once: its package folder is the name before the first '-'
   p=$(basename "$w"); p=${p%%-*}
   if [ -f "$w" ] && [ ! -d "/tmp/site/$p" ]; then python3 -m zipfile -e "$w" /tmp/site; fi
 done
 export PYTHONPATH=/tmp/site:$PWD CUDA_HOME=/usr/local/cuda PYTHONUNBUFFERED=1 LAYA_FLEET_LOCAL_CACHE_DIR=/tmp/lfc
+# the bundles ship no bytecode: compile it once, in the background, as pip does at install, so that every Ray
+# process (GCS client, monitor, dashboard agent, workers) does not compile its imports on start-up timings
+if [ "$_new" = 1 ]; then (nice python3 -m compileall -q -j 0 /tmp/site >/tmp/site-compileall.log 2>&1 &); fi
 _P=$(python3 -c "import sys; print(sys.executable)")
 _shim() { printf '#!%s\nimport sys\nfrom %s import %s\nsys.exit(%s())\n' "$_P" "$2" "$3" "$3" > "$(dirname "$_P")/$1" \
   && chmod +x "$(dirname "$_P")/$1"; }
