@@ -4,9 +4,10 @@ GEMM floor, on one modernbert-large-shaped checkpoint, in one GPU run.
     python bench/fast_path.py --make modernbert-large --ckpt /tmp/ck --out-dir $OUT --budget-s 240
 
 Sections (each timed, each allowed to fail without losing the others; later ones are skipped when
-the time budget runs out): GEMM sweep + floor, fast build/warm-up, numerics on 64 cases, latency
-workloads, offline throughput, upstream. Writes fast_path_<date>.json (and a PNG when matplotlib
-imports) into --out-dir and prints a table last. `--plot JSON` redraws the PNG from a JSON file.
+the time budget runs out): GEMM sweep + floor, the FP8 products (gemm8), fast build/warm-up (bf16, fp16,
+FP8), numerics on 64 cases, latency workloads, offline throughput, upstream. Writes fast_path_<date>.json (and
+a PNG when matplotlib imports) into --out-dir and prints a table last. `--plot JSON` redraws the PNG from a JSON
+file.
 
 The sweep's winners never change a product module: the engines this run builds get them as a proposed tuning
 table (`tuning=`), which is printed and, with `--tuning-out FILE`, written in kernels/tuning.json's format, to
@@ -32,9 +33,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:   # run as a script, Python puts bench/ on sys.path, not the checkout's root
     sys.path.insert(0, ROOT)
 
-from bench.fastpath import attention_sweep, common, gemm_sweep, model_sections, references, report, workloads  # noqa: E402
+from bench.fastpath import attention_sweep, common, gemm8, gemm_sweep, model_sections, references, report, workloads  # noqa: E402
 
-SECTIONS = ("gemm", "add_ln", "attention", "numerics", "latency", "profile", "offline", "hf", "upstream")
+SECTIONS = ("gemm", "gemm8", "add_ln", "attention", "numerics", "latency", "profile", "offline", "hf", "upstream")
 
 
 def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
@@ -51,7 +52,7 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
     ap.add_argument("--offline-states", type=int, default=2048)
     ap.add_argument("--upstream-offline-states", type=int, default=256)
     ap.add_argument("--skip", nargs="*", default=[],
-                    help="sections to skip: gemm add_ln attention numerics latency profile offline hf upstream")
+                    help="sections to skip: gemm gemm8 add_ln attention numerics latency profile offline hf upstream")
     ap.add_argument("--plot", default=None, help="only redraw the PNG from this JSON")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run of the script")
     ap.add_argument("--attention-child", default=None, help=argparse.SUPPRESS)
@@ -151,6 +152,16 @@ def run(a: argparse.Namespace, skip_attn: list[str]) -> int:
             gemm_sweep.section_gemm(res, dims, a.gemm_m)
         except Exception:
             res.setdefault("errors", {})["gemm"] = traceback.format_exc()
+            common.log(traceback.format_exc())
+        save()
+    if "gemm8" not in a.skip and a.device == "cuda":
+        from model.make_checkpoint import SHAPES
+
+        s = SHAPES[a.make or "modernbert-large"]
+        try:
+            gemm8.section_gemm8(res, dict(d=s["hidden"], inter=s["ff"]), a.gemm_m)
+        except Exception:
+            res.setdefault("errors", {})["gemm8"] = traceback.format_exc()
             common.log(traceback.format_exc())
         save()
     if "add_ln" not in a.skip and a.device == "cuda":

@@ -62,35 +62,36 @@ class GemmWSConfig:
                                             "g%d" % self.stagger if self.stagger else "", "q" if self.rope_regs else "",
                                             "c%d" % self.cluster if self.cluster > 1 else "")
 
-    def epilogue(self, wt: int = 1) -> str:
-        """How the consumers stage their output for the TMA store: "alias" (non-persistent, stages * bk == bn:
-        onto their own A half-ring, free once their last wgmma batch is done), "full" (a bf16 bm x bn tile of
-        its own) or "chunk" (a double-buffered bm x EPI_COLS tile, stored EPI_COLS columns at a time: what a
-        persistent 4-stage 128x256x64 ring leaves room for)."""
-        if not self.persistent and self.stages * self.bk == self.bn:
+    def epilogue(self, wt: int = 1, ab: int = 2) -> str:
+        """How the consumers stage their output for the TMA store: "alias" (non-persistent, stages * bk == bn,
+        16-bit operands: onto their own A half-ring, free once their last wgmma batch is done), "full" (a bf16
+        bm x bn tile of its own) or "chunk" (a double-buffered bm x EPI_COLS tile, stored EPI_COLS columns at a
+        time: what a persistent 4-stage 128x256x64 ring leaves room for). ab: bytes an operand element (1: e4m3)."""
+        if not self.persistent and self.stages * self.bk == self.bn and ab == 2:
             return "alias"
-        if self._ring_bytes(wt) + self.bm * self.bn * 2 <= SMEM_LIMIT - 1024:
+        if self._ring_bytes(wt, ab) + self.bm * self.bn * 2 <= SMEM_LIMIT - 1024:
             return "full"
         return "chunk"
 
-    def _ring_bytes(self, wt: int = 1) -> int:
-        return self.stages * (self.bm + wt * self.bn) * self.bk * 2
+    def _ring_bytes(self, wt: int = 1, ab: int = 2) -> int:
+        return self.stages * (self.bm + wt * self.bn) * self.bk * ab
 
-    def smem_bytes(self, wt: int = 1) -> int:
-        """Dynamic shared memory: the ring (wt weight tiles a stage: 2 for GeGLU) and the staging tiles (16-bit);
-        the mbarriers are static."""
-        epi = self.epilogue(wt)
-        return self._ring_bytes(wt) + {"alias": 0, "full": self.bm * self.bn * 2,
-                                     "chunk": 2 * self.bm * EPI_COLS * 2}[epi]
+    def smem_bytes(self, wt: int = 1, ab: int = 2) -> int:
+        """Dynamic shared memory: the ring (wt weight tiles a stage: 2 for GeGLU; ab bytes an element) and the
+        staging tiles (16-bit); the mbarriers are static."""
+        epi = self.epilogue(wt, ab)
+        return self._ring_bytes(wt, ab) + {"alias": 0, "full": self.bm * self.bn * 2,
+                                         "chunk": 2 * self.bm * EPI_COLS * 2}[epi]
 
 
-def check_config(cfg: GemmWSConfig, wt: int = 1) -> None:
-    """Raise ValueError for a config this kernel cannot build (wt weight tiles a stage: 2 for GeGLU)."""
+def check_config(cfg: GemmWSConfig, wt: int = 1, ab: int = 2) -> None:
+    """Raise ValueError for a config this kernel cannot build (wt weight tiles a stage: 2 for GeGLU; ab bytes an
+    operand element: 2, or 1 for e4m3)."""
     if cfg.bm not in (128, 256):
         raise ValueError("bm must be 128 or 256 (two consumer warpgroups of 64 or 128 rows)")
-    if cfg.bn % 16 or cfg.bn > 256 or cfg.bk % 16 or cfg.bk * 2 > 128:
-        raise ValueError("bn must be a multiple of 16 up to 256 and bk a multiple of 16 up to 64 (one 128-byte "
-                         "swizzle atom per row)")
+    if cfg.bn % 16 or cfg.bn > 256 or cfg.bk % (32 // ab) or cfg.bk * ab > 128:
+        raise ValueError("bn must be a multiple of 16 up to 256 and bk a multiple of %d up to %d (one 128-byte "
+                         "swizzle atom per row)" % (32 // ab, 128 // ab))
     if cfg.stages < 2:
         raise ValueError("stages must be at least 2")
     if cfg.inflight not in (0, 1):
@@ -98,11 +99,11 @@ def check_config(cfg: GemmWSConfig, wt: int = 1) -> None:
     if not 0 <= cfg.stagger < cfg.stages:
         raise ValueError("stagger must be 0 or more and below stages (the ring bounds how far apart the consumers "
                          "run)")
-    if cfg.bn % EPI_COLS and cfg.epilogue(wt) == "chunk":
+    if cfg.bn % EPI_COLS and cfg.epilogue(wt, ab) == "chunk":
         raise ValueError("a chunked epilogue needs bn to be a multiple of %d" % EPI_COLS)
-    if cfg.smem_bytes(wt) > SMEM_LIMIT - 1024:
-        raise ValueError("%s needs %d bytes of shared memory (the H200 has %d)" % (cfg.tag(), cfg.smem_bytes(wt),
-                                                                                 SMEM_LIMIT))
+    if cfg.smem_bytes(wt, ab) > SMEM_LIMIT - 1024:
+        raise ValueError("%s needs %d bytes of shared memory (the H200 has %d)" % (
+            cfg.tag(), cfg.smem_bytes(wt, ab), SMEM_LIMIT))
     if wt == 2 and cfg.bm // 2 * cfg.bn * 2 // 128 > 128:
         raise ValueError("GeGLU keeps two accumulators: at most 128 fp32 registers a consumer thread for them")
     if cfg.joint and (wt != 2 or cfg.bn > 128):
@@ -114,21 +115,25 @@ def check_config(cfg: GemmWSConfig, wt: int = 1) -> None:
 
 
 def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: bool = False, act: str = "none",
-                      rope_cols: int = 0, geglu: bool = False, dtype: str = "bfloat16"):
+                      rope_cols: int = 0, geglu: bool = False, dtype: str = "bfloat16", fp8: bool = False):
     """The TileLang PrimFunc main(A[M,K], W[N,K], Bias[N] f32, C[M,N]) (A, W, C `dtype`: bfloat16 or float16), M
     dynamic; C = act(A @ W^T + Bias) with the bias read only when `bias`.
 
     rope_cols > 0 (Wqkv): main(A, W, Bias, C, Pos[M] i32, Cos[P,32] f32, Sin[P,32] f32), and every 64-column head
     below rope_cols is rotated in the epilogue from its staged (rounded) value with fp32 math, as kernels/rope.py
     does to the stored output. geglu (ModernBERT's Wi): main(A, Wi[2N,K], C[M,N]) with C = gelu(A @ Wi[:N]^T) *
-    (A @ Wi[N:]^T): one A tile feeds two accumulators (cfg.bn columns of each half), as kernels/geglu.py."""
+    (A @ Wi[N:]^T): one A tile feeds two accumulators (cfg.bn columns of each half), as kernels/geglu.py.
+
+    fp8: A and W are e4m3 (C stays `dtype`) and every form takes two more arguments last, SA[M] f32 and SB[N] f32
+    (SB[2N] for GeGLU): the products are dequantised by row and column scale, C[i, j] = act(SA[i] * SB[j] *
+    (A[i] . W[j]) + Bias[j]), before anything else in the epilogue (kernels/quant.py makes A and SA)."""
     from .gemm import ACTS, apply_act
 
-    wt = 2 if geglu else 1
-    check_config(cfg, wt)
+    wt, ab = 2 if geglu else 1, 1 if fp8 else 2
+    check_config(cfg, wt, ab)
     if act not in ACTS:
         raise ValueError("act must be one of %s, got %r" % (ACTS, act))
-    if rope_cols and (rope_cols % EPI_COLS or act != "none" or geglu or cfg.epilogue(wt) != "chunk"):
+    if rope_cols and (rope_cols % EPI_COLS or act != "none" or geglu or cfg.epilogue(wt, ab) != "chunk"):
         raise ValueError("a RoPE epilogue needs rope_cols a multiple of 64, no activation and a chunked epilogue")
     if geglu and (bias or act != "none"):
         raise ValueError("the GeGLU form takes no bias or activation")
@@ -136,12 +141,13 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
     bm, bn, bk, S = cfg.bm, cfg.bn, cfg.bk, cfg.stages
     hm = bm // 2                          # rows per consumer warpgroup
     DT, F32, I32 = dtype, _tl.F32, _tl.I32
+    AB = "float8_e4m3fn" if fp8 else DT   # the operands' type in memory and in the ring
     M = T.dynamic("M")
     Pn = T.dynamic("P")
     nbn = T.ceildiv(N, bn)
     k_iters = T.ceildiv(K, bk)
     acc_regs = hm * bn // 128             # fp32 accumulator registers per consumer thread (per accumulator)
-    epi = cfg.epilogue(wt)
+    epi = cfg.epilogue(wt, ab)
     inflight = cfg.inflight
     P = cfg.persistent
     CL = cfg.cluster
@@ -269,8 +275,8 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
                 T.tma_copy(Cg_s, C[r0:r0 + hm, bx * bn:(bx + 1) * bn])
 
     @T.macro
-    def consume(C, Bias, Ag_s, W_s, Wg_s, C_l, Cx_l, Cg_s, Cs_l, Sn_l, Xr_l, full, empty, go, Pos, Cos, Sin, by, bx,
-                it, grp, lane):
+    def consume(C, Bias, Ag_s, W_s, Wg_s, C_l, Cx_l, Cg_s, Cs_l, Sn_l, Xr_l, full, empty, go, Pos, Cos, Sin, SA, SB,
+                by, bx, it, grp, lane):
         if rope_cols:
             if bx * bn < rope_cols:
                 # this tile's cosines and sines (one pair per row and frequency, shared by its heads), loaded before
@@ -321,32 +327,41 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
             # column j + bn sits in the thread that holds column j, so this is a renaming of registers
             for i, j in T.Parallel(hm, bn):
                 Cx_l[i, j] = C_l[i, bn + j]
+        if fp8:
+            # dequantise: row scale x column scale (clamped indices: rows past M and columns past N are never
+            # stored, and their scales must not be read out of bounds)
+            for i, j in T.Parallel(hm, bn):
+                C_l[i, j] = C_l[i, j] * SA[T.min(by * bm + grp * hm + i, M - 1)] * SB[T.min(bx * bn + j, N - 1)]
+            if geglu:
+                for i, j in T.Parallel(hm, bn):
+                    Cx_l[i, j] = Cx_l[i, j] * SA[T.min(by * bm + grp * hm + i, M - 1)] * \
+                        SB[N + T.min(bx * bn + j, N - 1)]
         epilogue(C, Bias, C_l, Cx_l, Cg_s, Cs_l, Sn_l, Xr_l, by, bx, grp)
 
     @T.macro
-    def consumer(C, Bias, Ag_s, W_s, Wg_s, C_l, Cx_l, Cg_s, Cs_l, Sn_l, Xr_l, full, empty, go, Pos, Cos, Sin, ids,
-                 grp, lane):
+    def consumer(C, Bias, Ag_s, W_s, Wg_s, C_l, Cx_l, Cg_s, Cs_l, Sn_l, Xr_l, full, empty, go, Pos, Cos, Sin, SA, SB,
+                 ids, grp, lane):
         T.set_max_nreg(CONSUMER_REGS, 1)
         if P:
             for w in T.serial(n_waves):
                 t = w * (P // CL) + ids // CL
                 if t < n_tiles:
                     consume(C, Bias, Ag_s, W_s, Wg_s, C_l, Cx_l, Cg_s, Cs_l, Sn_l, Xr_l, full, empty, go, Pos, Cos,
-                            Sin, t // nbn * CL + ids % CL, t % nbn, w, grp, lane)
+                            Sin, SA, SB, t // nbn * CL + ids % CL, t % nbn, w, grp, lane)
         else:
             consume(C, Bias, Ag_s, W_s, Wg_s, C_l, Cx_l, Cg_s, Cs_l, Sn_l, Xr_l, full, empty, go, Pos, Cos, Sin,
-                    ids[1], ids[0], 0, grp, lane)
+                    SA, SB, ids[1], ids[0], 0, grp, lane)
         T.tma_store_wait(0)   # the staging tile (shared memory) must outlive the last store's reads
 
     @T.macro
-    def body(A, W, Bias, C, Pos, Cos, Sin):
+    def body(A, W, Bias, C, Pos, Cos, Sin, SA, SB):
         grid = (P,) if P else (nbn, T.ceildiv(M, bm))
         # (cluster_dims=1: no cluster, an ordinary launch)
         with T.ClusterKernel(*grid, cluster_dims=CL, threads=PRODUCER_THREADS + 256) as ids:
-            A0_s = T.alloc_shared((S, hm, bk), DT)
-            A1_s = T.alloc_shared((S, hm, bk), DT)
-            W_s = T.alloc_shared((S, 2 * bn if joint else bn, bk), DT)
-            Wg_s = T.alloc_shared((S, bn, bk), DT) if geglu and not joint else None
+            A0_s = T.alloc_shared((S, hm, bk), AB)
+            A1_s = T.alloc_shared((S, hm, bk), AB)
+            W_s = T.alloc_shared((S, 2 * bn if joint else bn, bk), AB)
+            Wg_s = T.alloc_shared((S, bn, bk), AB) if geglu and not joint else None
             if epi == "alias":
                 # a (hm, bn) view of the ring would need its own layout, and TileLang keys layouts by the
                 # storage ("Get different layout for A0_s"): the epilogue writes the ring's slabs instead
@@ -386,18 +401,40 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
                     produce(A, W, A0_s, A1_s, W_s, Wg_s, full, empty, ids[1], ids[0], 0)
             elif tx < PRODUCER_THREADS + 128:
                 consumer(C, Bias, A0_s, W_s, Wg_s, C0_l, C0x_l, C0_s, cs[0], cs[1], xr[0], full, empty, go, Pos, Cos,
-                         Sin, ids, 0, lane)
+                         Sin, SA, SB, ids, 0, lane)
             else:
                 consumer(C, Bias, A1_s, W_s, Wg_s, C1_l, C1x_l, C1_s, cs[2], cs[3], xr[1], full, empty, go, Pos, Cos,
-                         Sin, ids, 1, lane)
+                         Sin, SA, SB, ids, 1, lane)
             if CL > 1:
                 # neither block exits while the other may still arrive on its barriers
                 T.cluster_sync()
 
+    if fp8:
+        if geglu:
+            @T.prim_func
+            def main_geglu8(A: T.Tensor((M, K), AB), Wi: T.Tensor((NW, K), AB), C: T.Tensor((M, N), DT),
+                            SA: T.Tensor((M,), F32), SB: T.Tensor((NW,), F32)):
+                body(A, Wi, None, C, None, None, None, SA, SB)
+            return main_geglu8
+
+        if rope_cols:
+            @T.prim_func
+            def main_rope8(A: T.Tensor((M, K), AB), W: T.Tensor((N, K), AB), Bias: T.Tensor((N,), F32),
+                           C: T.Tensor((M, N), DT), Pos: T.Tensor((M,), I32), Cos: T.Tensor((Pn, 32), F32),
+                           Sin: T.Tensor((Pn, 32), F32), SA: T.Tensor((M,), F32), SB: T.Tensor((N,), F32)):
+                body(A, W, Bias, C, Pos, Cos, Sin, SA, SB)
+            return main_rope8
+
+        @T.prim_func
+        def main8(A: T.Tensor((M, K), AB), W: T.Tensor((N, K), AB), Bias: T.Tensor((N,), F32),
+                  C: T.Tensor((M, N), DT), SA: T.Tensor((M,), F32), SB: T.Tensor((N,), F32)):
+            body(A, W, Bias, C, None, None, None, SA, SB)
+        return main8
+
     if geglu:
         @T.prim_func
         def main_geglu(A: T.Tensor((M, K), DT), Wi: T.Tensor((NW, K), DT), C: T.Tensor((M, N), DT)):
-            body(A, Wi, None, C, None, None, None)
+            body(A, Wi, None, C, None, None, None, None, None)
         return main_geglu
 
     if rope_cols:
@@ -405,13 +442,13 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
         def main_rope(A: T.Tensor((M, K), DT), W: T.Tensor((N, K), DT), Bias: T.Tensor((N,), F32),
                       C: T.Tensor((M, N), DT), Pos: T.Tensor((M,), I32),
                       Cos: T.Tensor((Pn, 32), F32), Sin: T.Tensor((Pn, 32), F32)):
-            body(A, W, Bias, C, Pos, Cos, Sin)
+            body(A, W, Bias, C, Pos, Cos, Sin, None, None)
         return main_rope
 
     @T.prim_func
     def main(A: T.Tensor((M, K), DT), W: T.Tensor((N, K), DT), Bias: T.Tensor((N,), F32),
              C: T.Tensor((M, N), DT)):
-        body(A, W, Bias, C, None, None, None)
+        body(A, W, Bias, C, None, None, None, None, None)
 
     return main
 
@@ -423,11 +460,14 @@ def pass_configs() -> dict:
 
 
 def gemm_manual_kernel(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: bool = False, act: str = "none",
-                       rope_cols: int = 0, geglu: bool = False, dtype: torch.dtype = torch.bfloat16):
-    """The compiled hand-warp-specialised GEMM for (N, K, cfg, bias, act, RoPE columns, GeGLU, dtype), built once
-    per process."""
+                       rope_cols: int = 0, geglu: bool = False, dtype: torch.dtype = torch.bfloat16,
+                       fp8: bool = False):
+    """The compiled hand-warp-specialised GEMM for (N, K, cfg, bias, act, RoPE columns, GeGLU, dtype, e4m3
+    operands), built once per process."""
     d = _tl.dt(dtype)
     extra = {} if d == _tl.BF16 else {"i": d}
+    if fp8:
+        extra["f8"] = 1
     if bias:
         extra["b"] = 1
     if act != "none":
@@ -435,8 +475,8 @@ def gemm_manual_kernel(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias:
     if rope_cols:
         extra["r"] = rope_cols
     name = _tl.kernel_name("lf_geglu_ws" if geglu else "lf_gemmws", n=N, k=K, c=cfg.tag(), **extra)
-    return _tl.memo(("gemm_manual", N, K, cfg, bias, act, rope_cols, geglu, d),
-                    lambda: _tl.compile_func(lambda: build_gemm_manual(N, K, cfg, bias, act, rope_cols, geglu, d),
+    return _tl.memo(("gemm_manual", N, K, cfg, bias, act, rope_cols, geglu, d) + (("f8",) if fp8 else ()),
+                    lambda: _tl.compile_func(lambda: build_gemm_manual(N, K, cfg, bias, act, rope_cols, geglu, d, fp8),
                                              name, pass_configs=pass_configs()))
 
 
@@ -446,7 +486,11 @@ GEMM = GemmWSConfig(bm=128, bn=256, bk=64, stages=4, persistent=132, inflight=0,
 GEGLU = GemmWSConfig(bm=128, bn=128, bk=64, stages=4, persistent=132, inflight=0, joint=True, cluster=2)
 # Clusters pay where W streams from L2 for every block (GeGLU, N >= 2048); narrower products run one block a tile
 CLUSTER_MIN_N = 2048
+# e4m3 operands: the same tiles with 128-byte (128-element) k-steps; the GEMM's ring then leaves room for the
+# chunked epilogue only (which Wqkv's RoPE needs), the GeGLU's for a full staging tile, as in bf16
+GEMM8 = GemmWSConfig(bm=128, bn=256, bk=128, stages=4, persistent=132, inflight=0, rope_regs=True, cluster=2)
+GEGLU8 = GemmWSConfig(bm=128, bn=128, bk=128, stages=4, persistent=132, inflight=0, joint=True, cluster=2)
 
 
-__all__ = ["GemmWSConfig", "GEMM", "GEGLU", "CLUSTER_MIN_N", "build_gemm_manual", "gemm_manual_kernel",
-           "check_config"]
+__all__ = ["GemmWSConfig", "GEMM", "GEGLU", "GEMM8", "GEGLU8", "CLUSTER_MIN_N", "build_gemm_manual",
+           "gemm_manual_kernel", "check_config"]

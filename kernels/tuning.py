@@ -113,4 +113,17 @@ def pick_gemm_ws(M: int, N: int, in_dtype: torch.dtype, out_dtype: torch.dtype, 
     return base if base.persistent == sms else replace(base, persistent=sms)
 
 
-__all__ = ["Tuning", "TABLE", "PATH", "pick_gemm", "pick_geglu", "pick_add_ln", "pick_gemm_ws"]
+def pick_gemm_ws8(M: int, N: int, geglu: bool = False, *, arch: str, sms: int, table: Tuning = TABLE
+                  ) -> _gm.GemmWSConfig | None:
+    """The hand-warp-specialised config of an M-row product with e4m3 operands (the FP8 precision), or None for
+    cuBLAS's (`torch._scaled_mm`): few rows, N < 64 or not Hopper. gemm_manual's GEMM8 / GEGLU8, with clusters
+    where the bf16 kernels use them."""
+    if M <= table.small_m or N < 64 or not arch.startswith("sm_90"):
+        return None
+    base = _gm.GEGLU8 if geglu else _gm.GEMM8 if N >= _gm.CLUSTER_MIN_N else replace(_gm.GEMM8, cluster=1)
+    if base.cluster > 1 and sms % base.cluster:
+        base = replace(base, cluster=1)
+    return base if base.persistent == sms else replace(base, persistent=sms)
+
+
+__all__ = ["Tuning", "TABLE", "PATH", "pick_gemm", "pick_geglu", "pick_add_ln", "pick_gemm_ws", "pick_gemm_ws8"]

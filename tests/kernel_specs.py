@@ -59,4 +59,10 @@ def manual_test_specs() -> list[tuple[str, tuple]]:
     out += [("gemm_ws", (1024, 1024, _gm.GEMM, True, "none", 0, False, torch.float16))]
     out += [("gemm_ws", (2624, 1024, c, False, "none", 0, True, torch.float16))
             for c in (_gm.GEGLU, replace(_gm.GEGLU, joint=False), replace(_gm.GEGLU, cluster=1))]
+    # e4m3 operands (test_fp8_manual_kernels_equal_the_dequantised_product)
+    one = replace(_gm.GEMM8, cluster=1)
+    out += [("gemm_ws", (2624, 1024, _gm.GEGLU8, False, "none", 0, True, BF, True)),
+            ("gemm_ws", (3072, 1024, _gm.GEMM8, False, "none", 2048, False, BF, True)),
+            ("gemm_ws", (2624, 1024, _gm.GEMM8, False, "none", 0, False, BF, True)),
+            ("gemm_ws", (1024, 2624, one, True, "none", 0, False, BF, True))]
     return out

@@ -266,3 +266,78 @@ def test_manual_kernels_in_fp16():
         g = _poison(3000, 2624, dtype=F16)
         gm.gemm_manual_kernel(2624, 1024, cfg, geglu=True, dtype=F16)(a, wi, g)
         _close(g, geglu.geglu_ref(a, wi), 1.5e-2)
+
+
+# -- e4m3 operands (the FP8 precision) ----------------------------------------------------------
+def test_fp8_configs_and_pick():
+    """128-element (128-byte) k-steps; the GEMM's 4-stage ring leaves room for the chunked epilogue only, which
+    Wqkv's RoPE needs; a 16-bit k-step must stay within its swizzle atom, an e4m3 one within 128 elements."""
+    assert gm.GEMM8.epilogue(1, 1) == "chunk" and gm.GEGLU8.epilogue(2, 1) == "full"
+    gm.check_config(gm.GEMM8, 1, 1)
+    gm.check_config(gm.GEGLU8, 2, 1)
+    with pytest.raises(ValueError, match="bk a multiple of 16 up to 64"):
+        gm.check_config(gm.GEMM8)                                   # the same tile with 16-bit operands
+    with pytest.raises(ValueError, match="bk a multiple of 32 up to 128"):
+        gm.check_config(replace(gm.GEMM8, bk=48), 1, 1)
+    assert gm.GemmWSConfig(stages=4).epilogue(1, 1) != "alias"    # an e4m3 ring cannot hold the bf16 output
+    small_m = tuning.TABLE.small_m
+
+    def pick8(M, N, geglu=False, arch="sm_90a", sms=132):
+        return tuning.pick_gemm_ws8(M, N, geglu, arch=arch, sms=sms)
+
+    assert pick8(small_m + 1, 3072) == gm.GEMM8 and pick8(small_m + 1, 2624, True) == gm.GEGLU8
+    assert pick8(small_m + 1, 1024) == replace(gm.GEMM8, cluster=1)
+    assert pick8(small_m, 3072) is None and pick8(small_m + 1, 3072, arch="sm_89") is None
+    assert pick8(small_m + 1, 3072, sms=114) == replace(gm.GEMM8, persistent=114)
+
+
+@needs_tilelang
+def test_fp8_kernels_compile_for_hopper(monkeypatch):
+    """e4m3 x e4m3 wgmma (k = 32, four a 128-element k-step) into fp32, the rest of the schedule unchanged, and every
+    product scaled by its row's and column's scale (indices clamped: no read past M or N) before the epilogue."""
+    use_sm90(monkeypatch)
+    for N, K, cfg, rope_cols, g in ((3072, 1024, gm.GEMM8, 2048, False), (1024, 2624, replace(gm.GEMM8, cluster=1),
+                                                                           0, False), (2624, 1024, gm.GEGLU8, 0, True)):
+        src = gm.gemm_manual_kernel(N, K, cfg, rope_cols=rope_cols, geglu=g, fp8=True).get_kernel_source()
+        assert re.findall(r"__launch_bounds__\((\d+)", src) == ["384"] and "_f81" in src
+        assert re.findall(r"wgmma_ss<tl::DataType::kFloat8_e4m3, tl::DataType::kFloat8_e4m3, tl::DataType::kFloat32, "
+                          r"64, (\d+), 32", src) == [str(2 * cfg.bn if g else cfg.bn)] * 2
+        assert "fp8_e4_t" in src and "SA[min(" in src and re.search(r"SB(\[| \+ )", src)   # rows past M clamped
+        assert (", %d)" % (N - 1) in src) == bool(N % cfg.bn)   # columns clamped where the last tile passes N
+        assert ("Cos" in src) == bool(rope_cols) and ("erff" in src) == g
+        assert not re.search(r"\* __restrict__ C\b", src) and "tma_store(" in src
+
+
+@gpu
+@needs_tilelang
+@pytest.mark.parametrize("M", [1, 77, 4099, 40000])
+@pytest.mark.parametrize("form", ["plain", "rope", "geglu", "bias"])
+def test_fp8_manual_kernels_equal_the_dequantised_product(M, form):
+    """Against the fp32 product of the dequantised operands (the kernel's own inputs): e4m3 products are exact in
+    fp32, so only the summation order and the bf16 output differ. Rows past a tile, F = 2624's half tile, a K of
+    2624, clusters and one-block tiles."""
+    from kernels import quant
+
+    K, N = (2624, 1024) if form == "bias" else (1024, 3072 if form == "rope" else 2624)
+    a = torch.randn(M, K, device=DEV) * torch.logspace(-2, 1, M, device=DEV).unsqueeze(1)
+    w = torch.randn(2 * N if form == "geglu" else N, K, device=DEV) * K ** -0.5
+    qa, sa = quant.quant_rows_ref(a)
+    qw, sw = quant.quant_rows_ref(w)
+    y = (qa.float() * sa[:, None]) @ (qw.float() * sw[:, None]).t()
+    out = _poison(M, N)
+    if form == "geglu":
+        gm.gemm_manual_kernel(N, K, gm.GEGLU8, geglu=True, fp8=True)(qa, qw, out, sa, sw)
+        _close(out, torch.nn.functional.gelu(y[:, :N]) * y[:, N:], 1.5e-2)
+    elif form == "rope":
+        pos = torch.randint(0, 512, (M,), device=DEV, dtype=torch.int32)
+        cos, sin = rope.rope_tables(160000.0, 512, DEV)
+        gm.gemm_manual_kernel(N, K, gm.GEMM8, rope_cols=2048, fp8=True)(qa, qw, gemm._zeros(N, DEV), out, pos, cos,
+                                                                         sin, sa, sw)
+        ref = y.bfloat16()
+        rope.rope(ref, pos, cos, sin, 16)
+        _close(out, ref, 1e-2)
+    else:
+        bias = torch.randn(N, device=DEV) if form == "bias" else gemm._zeros(N, DEV)
+        cfg = tuning.pick_gemm_ws8(4096, N, arch="sm_90a", sms=132)
+        gm.gemm_manual_kernel(N, K, cfg, bias=form == "bias", fp8=True)(qa, qw, bias, out, sa, sw)
+        _close(out, y + (bias if form == "bias" else 0), 1e-2)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+from bench.fastpath import gemm8
 from bench.fastpath.common import proposal
 from bench.fastpath.model_sections import group_ops
 
@@ -59,6 +60,7 @@ def table(res: dict) -> str:
             if r.get("used") and r["used"] != r["best"]:
                 lines.append("            the forward uses %s (%s)" % (r["used"], "kernels/gemm_manual.py"
                              if r["used"].startswith("ws:") else "fastest with its RoPE epilogue"))
+    lines += gemm8.table_lines(res)
     al = res.get("add_ln")
     if al:
         lines.append("add+LN (%d x %d, add mode): " % (al["M"], al["d"]) + ", ".join(

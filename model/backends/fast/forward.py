@@ -27,12 +27,13 @@ from kernels import gemm_manual as _gm
 from kernels import layernorm as _ln
 from kernels import quant as _quant
 from kernels import rope as _rope
-from kernels.tuning import TABLE, Tuning, pick_add_ln, pick_geglu, pick_gemm, pick_gemm_ws
+from kernels.tuning import TABLE, Tuning, pick_add_ln, pick_geglu, pick_gemm, pick_gemm_ws, pick_gemm_ws8
 from model.network import confidence_features
 from model.sequence import Row
 
 from . import fp8 as _fp8
 from .packing import pow2
+from .profiling import Profiling
 from .weights import SCORER_PAD
 
 OPS = ("gemm", "geglu", "add_ln", "rope", "attention")
@@ -127,7 +128,7 @@ def compile_specs(specs: list[tuple[str, tuple]], workers: int | None = None) ->
     return time.perf_counter() - t
 
 
-class ForwardOps:
+class ForwardOps(Profiling):
     """The op dispatch and layer body of `FastForward` (see the module docstring)."""
 
     def _gpu(self):
@@ -140,24 +141,10 @@ class ForwardOps:
         """The hand-warp-specialised config of this product, or None for kernels/gemm.py and kernels/geglu.py."""
         return pick_gemm_ws(M, N, in_dtype, out_dtype, geglu, K, arch=self.arch, sms=self.sms, table=self.tuning)
 
-    def _mark(self, kind: str):
-        """Start a timed region when profiling (see `profile`); returns a token for `_done`."""
-        if self._prof is None:
-            return None
-        ev = torch.cuda.Event(enable_timing=True)
-        ev.record()
-        return kind, ev
-
-    def _done(self, tok) -> None:
-        if tok is not None:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            self._prof.append((tok[0], tok[1], ev))
-
     def _gemm(self, a, w, bias, out, act="none"):
         tok = self._mark("gemm %dx%d" % (w.shape[0], w.shape[1]))
         if isinstance(w, _fp8.Fp8Weight):   # the FP8 precision's encoder GEMMs (fp8.py); `a` may come quantised
-            _fp8.gemm(a, w, bias, act, self.ops["gemm"], out)
+            _fp8.gemm(a, w, bias, act, self.ops["gemm"], out, self._ws8(out.shape[0], w.shape[0]), self._zero_bias)
         elif self.ops["gemm"] == "tilelang":
             M, N = a.shape[0], w.shape[0]
             b = bias if bias is not None else self._zero_bias[:N]
@@ -171,9 +158,17 @@ class ForwardOps:
             out.copy_(_gemm.gemm_ref(a, w, bias, act, out.dtype))
         self._done(tok)
 
+    def _ws8(self, M: int, N: int, geglu: bool = False) -> _gm.GemmWSConfig | None:
+        """The FP8 precision's hand-warp-specialised config of this product, or None for cuBLAS's."""
+        if self.ops["geglu" if geglu else "gemm"] != "tilelang":
+            return None
+        return pick_gemm_ws8(M, N, geglu, arch=self.arch, sms=self.sms, table=self.tuning)
+
     def _fused_rope(self, M: int) -> bool:
         """Whether Wqkv's GEMM rotates Q and K in its epilogue at M tokens (both ops TileLang, a 64-wide tile)."""
-        return (not self.fp8 and self.ops["gemm"] == "tilelang" and self.ops["rope"] == "tilelang"
+        if self.fp8:
+            return self.ops["rope"] == "tilelang" and self._ws8(M, 3 * self.d) is not None
+        return (self.ops["gemm"] == "tilelang" and self.ops["rope"] == "tilelang"
                 and (self._ws_cfg(M, 3 * self.d, self.act_dtype, self.act_dtype, K=self.d) is not None
                      or pick_gemm(M, 3 * self.d, self.d, self.tuning).bn % 64 == 0))
 
@@ -187,6 +182,11 @@ class ForwardOps:
         N, K = ly.wqkv.shape
         b = ly.bqkv if ly.bqkv is not None else self._zero_bias[:N]
         ws = self._ws_cfg(a.shape[0], N, a.dtype, out.dtype, K=K)
+        if self.fp8:
+            _fp8.ws_product(_fp8.quantize_rows(a, "tilelang"), ly.wqkv, out, self._ws8(a.shape[0], N), ly.bqkv,
+                            self._zero_bias, (2 * self.d, pos, table[0], table[1]))
+            self._done(tok)
+            return
         if ws is not None:
             kern = _gm.gemm_manual_kernel(N, K, ws, ly.bqkv is not None, "none", 2 * self.d, False, a.dtype)
         else:
@@ -198,7 +198,8 @@ class ForwardOps:
     def _geglu(self, a, wi, out):
         tok = self._mark("geglu %dx%d" % (wi.shape[0] // 2, a.shape[1]))
         if isinstance(wi, _fp8.Fp8Weight):   # quantised for the next GEMM: (e4m3, scales), not `out`
-            out = _fp8.geglu(a, wi, self.ops["gemm"], self.ops["geglu"])
+            out = _fp8.geglu(a, wi, self.ops["gemm"], self.ops["geglu"], self._ws8(a.shape[0], wi.shape[0] // 2, True),
+                             out)
         elif self.ops["geglu"] == "tilelang":
             Fd = wi.shape[0] // 2
             ws = self._ws_cfg(a.shape[0], Fd, a.dtype, out.dtype, geglu=True, K=a.shape[1])
@@ -245,37 +246,6 @@ class ForwardOps:
         else:  # CPU: row by row, the sum of each row's L^2 rather than the chunk's T^2
             out.copy_(_attn.attention_ref(qkv, v["cu"], heads, window))
         self._done(tok)
-
-    @torch.no_grad()
-    def profile(self, rows: Sequence[Row], repeats: int = 3) -> dict:
-        """GPU time per op kind of one eager forward of `rows` (one chunk): {bucket, tokens, total_ms,
-        ops: {kind: ms}, other_ms}; needs CUDA. Medians over `repeats` runs."""
-        rows = list(rows)
-        self._check(rows)
-        with self._lock, self._gpu():
-            total = sum(len(r.ids) for r in rows)
-            Tb = self.bucket_for(total, len(rows))
-            _, g = self._stage(rows, Tb)
-            self._ints[:self._int_size(Tb)].copy_(self._ints_host[:self._int_size(Tb)])
-            self._body(Tb, g)
-            runs = []
-            for _ in range(repeats):
-                self._prof = []
-                t0 = torch.cuda.Event(enable_timing=True)
-                t1 = torch.cuda.Event(enable_timing=True)
-                t0.record()
-                self._body(Tb, g)
-                t1.record()
-                torch.cuda.synchronize(self.device)
-                ops: dict[str, float] = {}
-                for kind, a, b in self._prof:
-                    ops[kind] = ops.get(kind, 0.0) + a.elapsed_time(b)
-                runs.append((t0.elapsed_time(t1), ops))
-                self._prof = None
-        runs.sort(key=lambda r: r[0])
-        tot, ops = runs[len(runs) // 2]
-        return {"bucket": Tb, "tokens": total, "rows": len(rows), "head_rows": g, "total_ms": tot, "ops": ops,
-                "other_ms": tot - sum(ops.values())}
 
     def _body(self, Tb: int, g: int) -> None:
         """The encoder and head over bucket Tb; the head's last layer after its attention, and the scorer, on the

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels import gemm_manual as _gm
 from kernels import quant as _quant
 
 E4M3 = torch.float8_e4m3fn
@@ -73,16 +74,41 @@ def _scaled(q: tuple[torch.Tensor, torch.Tensor], w: Fp8Weight, out: torch.Tenso
     return torch._scaled_mm(q[0], w.q.t(), scale_a=q[1], scale_b=w.scale, out_dtype=torch.bfloat16, out=out)
 
 
+def ws_product(q: tuple[torch.Tensor, torch.Tensor], w: Fp8Weight, out: torch.Tensor, cfg,
+               bias: torch.Tensor | None = None, zero: torch.Tensor | None = None, rope: tuple | None = None,
+               geglu: bool = False) -> torch.Tensor:
+    """The product on Hopper's hand-warp-specialised kernel (kernels/gemm_manual.py, e4m3 operands, `cfg` from
+    kernels.tuning.pick_gemm_ws8) into bf16 `out`: plus `bias` (`zero`, a zero vector of at least N, stands in for
+    none), RoPE'd over the first `rope[0]` columns with rope = (columns, Pos, Cos, Sin), or ModernBERT's GeGLU of
+    the Wi product (`out` [M, F])."""
+    N, K = (w.shape[0] // 2 if geglu else w.shape[0]), w.shape[1]
+    kern = _gm.gemm_manual_kernel(N, K, cfg, bias is not None, "none", rope[0] if rope else 0, geglu, out.dtype,
+                                  fp8=True)
+    sa, sb = q[1].view(-1), w.scale.view(-1)
+    b = bias if bias is not None else zero[:N]
+    if geglu:
+        kern(q[0], w.q, out, sa, sb)
+    elif rope:
+        kern(q[0], w.q, b, out, *rope[1:], sa, sb)
+    else:
+        kern(q[0], w.q, b, out, sa, sb)
+    return out
+
+
 def matmul(a: torch.Tensor | tuple, w: Fp8Weight, impl: str = "torch") -> torch.Tensor:
     """a @ W^T in FP8 (a quantised per row, or already an (e4m3, scales) pair), fp32 accumulation, bf16 out."""
     return _scaled(a if isinstance(a, tuple) else quantize_rows(a, impl), w)
 
 
 def gemm(a: torch.Tensor | tuple, w: Fp8Weight, bias: torch.Tensor | None = None, act: str = "none",
-         impl: str = "torch", out: torch.Tensor | None = None) -> torch.Tensor:
-    """act(a @ W^T + bias) with the product in FP8, into `out` (its dtype) or as a new fp32 tensor. A bf16 `out`
-    with no bias or activation (the encoder's products) takes the product directly."""
+         impl: str = "torch", out: torch.Tensor | None = None, ws=None, zero: torch.Tensor | None = None
+         ) -> torch.Tensor:
+    """act(a @ W^T + bias) with the product in FP8, into `out` (its dtype) or as a new fp32 tensor. With a
+    hand-warp-specialised config `ws` (a bf16 `out`, no activation) the product runs there (`ws_product`), else a
+    bf16 `out` with no bias or activation (the encoder's products) takes cuBLAS's product directly."""
     q = a if isinstance(a, tuple) else quantize_rows(a, impl)
+    if ws is not None and out is not None and out.dtype == torch.bfloat16 and act == "none":
+        return ws_product(q, w, out, ws, bias, zero)
     if out is not None and out.dtype == torch.bfloat16 and bias is None and act == "none" and out.is_contiguous():
         return _scaled(q, w, out)
     y = _scaled(q, w).float()
@@ -95,11 +121,16 @@ def gemm(a: torch.Tensor | tuple, w: Fp8Weight, bias: torch.Tensor | None = None
     return y if out is None else out.copy_(y)
 
 
-def geglu(a: torch.Tensor | tuple, wi: Fp8Weight, impl: str = "torch", geglu_impl: str = "torch"
-          ) -> tuple[torch.Tensor, torch.Tensor]:
+def geglu(a: torch.Tensor | tuple, wi: Fp8Weight, impl: str = "torch", geglu_impl: str = "torch", ws=None,
+          out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """ModernBERT's GeGLU gelu(a @ Wi[:F]^T) * (a @ Wi[F:]^T) with the product in FP8, returned quantised per row
-    for the next GEMM: (e4m3 [M, F], scales [M, 1]). impl quantises `a`, geglu_impl the GeGLU."""
+    for the next GEMM: (e4m3 [M, F], scales [M, 1]). impl quantises `a`, geglu_impl the GeGLU. With a
+    hand-warp-specialised config `ws`, the kernel's GeGLU epilogue writes it to bf16 `out` [M, F] first."""
+    if ws is not None and out is not None:
+        q = a if isinstance(a, tuple) else quantize_rows(a, impl)
+        return quantize_rows(ws_product(q, wi, out, ws, geglu=True), geglu_impl)
     return quantize_rows(matmul(a, wi, impl), geglu_impl, geglu=True)
 
 
-__all__ = ["Fp8Weight", "E4M3_MAX", "check_device", "quantize_weight", "quantize_rows", "matmul", "gemm", "geglu"]
+__all__ = ["Fp8Weight", "E4M3_MAX", "check_device", "quantize_weight", "quantize_rows", "ws_product", "matmul", "gemm",
+           "geglu"]
