@@ -100,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     pc.add_argument("--sweep", action="store_true", help="also bench/fast_path.py's sweep candidates (a checkout)")
     pc.add_argument("--workers", type=int, default=None)
     pc.add_argument("--fp16", action="store_true", help="also the shapes' fp16 kernels (act_dtype=torch.float16)")
+    pc.add_argument("--fp8", action="store_true",
+                    help="also the shapes' FP8-precision kernels (LAYA_FLEET_CUDA_AMP=fp8)")
     pc.add_argument("--arch", default=None,
                     help="TileLang target (default $LAYA_FLEET_TL_ARCH, else the visible GPU's, else sm_90a)")
     pc.add_argument("--pack", metavar="FILE.tar.xz", default=None,

@@ -150,6 +150,24 @@ def test_the_quantisation_kernels_compile_for_hopper_one_reduction_a_row(monkeyp
         quant.build_quant(1000)
 
 
+def test_the_fp8_kernel_list_for_warm_up_and_precompile():
+    """Three quantisations (d; the GeGLU's output; cuBLAS's GeGLU from the Wi product) and, on Hopper, the four
+    products on e4m3 operands with Wqkv's RoPE and Wi's GeGLU; elsewhere cuBLAS does the products."""
+    from kernels import gemm_manual as gm
+
+    hop = fp8.kernel_specs(1024, 2624, (False, True, False), arch="sm_90a", sms=132)
+    assert [sp for sp in hop if sp[0] == "quant"] == [("quant", (1024, False, torch.bfloat16)),
+                                                      ("quant", (2624, False, torch.bfloat16)),
+                                                      ("quant", (2624, True, torch.bfloat16))]
+    ws = [args for kind, args in hop if kind == "gemm_ws"]
+    assert [(N, K, b, rope, g, f8) for N, K, _, b, _, rope, g, _, f8 in ws] == [
+        (3072, 1024, False, 2048, False, True), (1024, 1024, True, 0, False, True), (2624, 1024, False, 0, True, True),
+        (1024, 2624, False, 0, False, True)]
+    assert ws[0][2] == gm.GEMM8 and ws[2][2] == gm.GEGLU8
+    assert all(kind == "quant" for kind, _ in fp8.kernel_specs(1024, 2624, arch="sm_89", sms=128))
+    assert fp8.kernel_specs(1000, 2600, arch="sm_89", sms=128) == []   # widths the kernel cannot walk: torch form
+
+
 # -- GPU ----------------------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_TILELANG, reason="needs tilelang")

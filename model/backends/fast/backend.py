@@ -18,8 +18,7 @@ import torch
 
 from kernels import _tl
 from kernels import attention as _attn
-from kernels import quant as _quant
-from kernels.tuning import TABLE, Tuning, pick_gemm_ws8
+from kernels.tuning import TABLE, Tuning
 from model import settings
 from model.backends import gpu_lock as _gpu_lock
 from model.backends.base import HALF, BackendUnavailable, cuda_precision, dtype_named
@@ -137,17 +136,10 @@ class FastForward(ForwardOps, GraphRunner, Packing, DeviceWeights):
         return [sp for sp in specs if self.ops[spec_op(sp)] == "tilelang"]
 
     def _fp8_specs(self) -> list[tuple[str, tuple]]:
-        """The FP8 precision's kernels: the per-token quantisation of the encoder's GEMM inputs (after LayerNorm and
-        attention, the GeGLU's output, and cuBLAS's GeGLU from the Wi product) and, on Hopper for many rows, the
-        e4m3 hand-warp-specialised products."""
-        d, inter, ly, adt = self.d, self.inter, self.layers[0], self.act_dtype
-        specs = [("quant", (K, g, adt)) for K, g in ((d, False), (inter, False), (inter, True)) if _quant.fits(K)]
-        for N, K, b, rope, g in ((3 * d, d, ly.bqkv is not None, 2 * d, False), (d, d, ly.bo is not None, 0, False),
-                                 (inter, d, False, 0, True), (d, inter, ly.bo2 is not None, 0, False)):
-            cfg = pick_gemm_ws8(self.tuning.small_m + 1, N, g, arch=self.arch, sms=self.sms, table=self.tuning)
-            if cfg is not None:
-                specs.append(("gemm_ws", (N, K, cfg, b, "none", rope, g, adt, True)))
-        return specs
+        """The FP8 precision's kernels of this model (fp8.kernel_specs)."""
+        ly = self.layers[0]
+        return _fp8.kernel_specs(self.d, self.inter, (ly.bqkv is not None, ly.bo is not None, ly.bo2 is not None),
+                                 self.act_dtype, arch=self.arch, sms=self.sms, table=self.tuning)
 
     def _compile_all(self, workers: int | None) -> None:
         try:

@@ -41,6 +41,23 @@ class Fp8Weight:
         return self.q.shape
 
 
+def kernel_specs(d: int, inter: int, biases: tuple[bool, bool, bool] = (False, False, False),
+                 dtype: torch.dtype = torch.bfloat16, *, arch: str, sms: int, table=None) -> list[tuple[str, tuple]]:
+    """The FP8 precision's kernels of an encoder of width d and GeGLU width inter (biases: Wqkv's, Wo's, MLP Wo's):
+    the per-token quantisation of the GEMM inputs (after LayerNorm and attention, the GeGLU's output, and cuBLAS's
+    GeGLU from the Wi product) and, on Hopper for many rows, the e4m3 hand-warp-specialised products."""
+    from kernels import tuning
+
+    table = table or tuning.TABLE
+    specs = [("quant", (K, g, dtype)) for K, g in ((d, False), (inter, False), (inter, True)) if _quant.fits(K)]
+    for N, K, b, rope, g in ((3 * d, d, biases[0], 2 * d, False), (d, d, biases[1], 0, False),
+                             (inter, d, False, 0, True), (d, inter, biases[2], 0, False)):
+        cfg = tuning.pick_gemm_ws8(table.small_m + 1, N, g, arch=arch, sms=sms, table=table)
+        if cfg is not None:
+            specs.append(("gemm_ws", (N, K, cfg, b, "none", rope, g, dtype, True)))
+    return specs
+
+
 def check_device(device: torch.device) -> None:
     """ValueError when `device` is a GPU without FP8 tensor cores (before compute capability 8.9)."""
     if device.type != "cuda":
@@ -132,5 +149,5 @@ def geglu(a: torch.Tensor | tuple, wi: Fp8Weight, impl: str = "torch", geglu_imp
     return quantize_rows(matmul(a, wi, impl), geglu_impl, geglu=True)
 
 
-__all__ = ["Fp8Weight", "E4M3_MAX", "check_device", "quantize_weight", "quantize_rows", "ws_product", "matmul", "gemm",
-           "geglu"]
+__all__ = ["Fp8Weight", "E4M3_MAX", "kernel_specs", "check_device", "quantize_weight", "quantize_rows", "ws_product",
+           "matmul", "gemm", "geglu"]

@@ -1,6 +1,6 @@
 """Build the fast backend's TileLang kernels ahead of time into the kernel cache (no GPU needed; sm_90a by default).
 
-    laya-fleet precompile --shapes tiny modernbert-large [--fp16] [--pack FILE.tar.xz]
+    laya-fleet precompile --shapes tiny modernbert-large [--fp16] [--fp8] [--pack FILE.tar.xz]
     python -m model.backends.fast.precompile ...          (the same command)
 
 The cache (TileLang's, under `model.cache.local_dir("tilelang")`) is keyed by the kernel source, target and
@@ -18,8 +18,11 @@ import time
 
 import torch
 
+from kernels import _tl
+
+from . import fp8
 from .backend import configure_tilelang
-from .forward import compile_specs, kernel_specs
+from .forward import compile_specs, kernel_specs, sm_count
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -66,6 +69,9 @@ def run(a: argparse.Namespace) -> int:
         specs += model_specs(s)
         if a.fp16:
             specs += model_specs(s, torch.float16)
+        if a.fp8:
+            dims = shape_dims(s)
+            specs += fp8.kernel_specs(dims["d"], dims["inter"], arch=_tl.target()["arch"], sms=sm_count())
     if a.tests:
         specs += _checkout_specs("tests.kernel_specs", "test_specs")
     if a.sweep:
