@@ -23,10 +23,11 @@ I32 = "int32"
 
 
 def dt(dtype: Any) -> str:
-    """TileLang's name for a torch dtype (bf16, fp16 or fp32)."""
+    """TileLang's name for a torch dtype (bf16, fp16, fp32 or e4m3)."""
     import torch
 
-    return {torch.bfloat16: BF16, torch.float16: F16, torch.float32: F32}[dtype]
+    return {torch.bfloat16: BF16, torch.float16: F16, torch.float32: F32,
+            torch.float8_e4m3fn: "float8_e4m3fn"}[dtype]
 
 log = logging.getLogger(__name__)
 _lock = threading.RLock()

@@ -18,6 +18,9 @@ import torch.nn.functional as F
 from . import _tl
 
 MODES = ("add", "plain", "inplace", "add_inplace")
+FP8 = "float8_e4m3fn"
+E4M3_MAX = 448.0
+MIN_AMAX = 1e-12   # as kernels/quant.py: a zero row quantises to zeros
 
 
 @dataclass(frozen=True)
@@ -63,7 +66,8 @@ def add_ln_ref(x: torch.Tensor, r: torch.Tensor | None, w: torch.Tensor, b: torc
 def build_add_ln(D: int, mode: str = "add", bias: bool = False, eps: float = 1e-5, out_dtype: str = "bfloat16",
                  cfg: LNConfig | None = None, r_dtype: str = "bfloat16"):
     """The TileLang PrimFunc main(X[M,D] f32, R[M,D] r_dtype, W[D] f32, B[D] f32, Y[M,D] out_dtype);
-    cfg None = default_config(D)."""
+    cfg None = default_config(D). out_dtype float8_e4m3fn (the FP8 precision's GEMM input) adds S[M] f32 last: each
+    row of Y is quantised by its own scale S[i] = max|y_i| / 448 (kernels/quant.py's rule) from the fp32 value."""
     if mode not in MODES:
         raise ValueError("mode must be one of %s, got %r" % (MODES, mode))
     cfg = cfg or default_config(D)
@@ -74,10 +78,10 @@ def build_add_ln(D: int, mode: str = "add", bias: bool = False, eps: float = 1e-
     inv_d = 1.0 / D
     residual = mode in ("add", "add_inplace")
     to_x = mode in ("inplace", "add_inplace")
+    fp8 = out_dtype == FP8
 
-    @T.prim_func
-    def main(X: T.Tensor((M, D), F32), R: T.Tensor((M, D), RD), Wt: T.Tensor((D,), F32), Bs: T.Tensor((D,), F32),
-             Y: T.Tensor((M, D), out_dtype)):
+    @T.macro
+    def body(X, R, Wt, Bs, Y, S):
         with T.Kernel(T.ceildiv(M, bm), threads=cfg.threads) as bx:
             x = T.alloc_fragment((bm, D), F32)
             t = T.alloc_fragment((bm, D), F32)
@@ -106,7 +110,31 @@ def build_add_ln(D: int, mode: str = "add", bias: bool = False, eps: float = 1e-
                     t[i, j] = (x[i, j] - mean[i]) * var[i] * Wt[j]
             if to_x:
                 T.copy(t, X[bx * bm, 0])
-            T.copy(t, Y[bx * bm, 0])
+            if fp8:
+                q = T.alloc_fragment((bm, D), FP8)
+                T.reduce_absmax(t, mean, dim=1)   # mean is free now: the row's absolute maximum, then its scale
+                for i in T.Parallel(bm):
+                    mean[i] = T.max(mean[i], MIN_AMAX) / E4M3_MAX
+                for i, j in T.Parallel(bm, D):
+                    t[i, j] = T.clamp(t[i, j] / mean[i], -E4M3_MAX, E4M3_MAX)
+                T.copy(t, q)
+                T.copy(q, Y[bx * bm, 0])
+                for i in T.Parallel(bm):
+                    S[bx * bm + i] = mean[i]
+            else:
+                T.copy(t, Y[bx * bm, 0])
+
+    if fp8:
+        @T.prim_func
+        def main8(X: T.Tensor((M, D), F32), R: T.Tensor((M, D), RD), Wt: T.Tensor((D,), F32), Bs: T.Tensor((D,), F32),
+                  Y: T.Tensor((M, D), out_dtype), S: T.Tensor((M,), F32)):
+            body(X, R, Wt, Bs, Y, S)
+        return main8
+
+    @T.prim_func
+    def main(X: T.Tensor((M, D), F32), R: T.Tensor((M, D), RD), Wt: T.Tensor((D,), F32), Bs: T.Tensor((D,), F32),
+             Y: T.Tensor((M, D), out_dtype)):
+        body(X, R, Wt, Bs, Y, None)
 
     return main
 

@@ -34,6 +34,7 @@ def test_specs() -> list[tuple[str, tuple]]:
             out.append(("add_ln", (1024, mode, bias, 1e-5, BF)))
     out.append(("rope", (16,)))
     out += [("quant", (1024, False, BF)), ("quant", (2624, True, BF))]   # tests/test_fp8.py
+    out += [("add_ln", (1024, m, False, 1e-5, torch.float8_e4m3fn)) for m in ("add", "inplace")]
     for c in ATTENTION:
         out += [("attention", (16, w, c)) for w in (0, 64)] + [("attention", (2, 0, c))]
     return out + manual_test_specs()

@@ -151,11 +151,14 @@ def test_the_quantisation_kernels_compile_for_hopper_one_reduction_a_row(monkeyp
 
 
 def test_the_fp8_kernel_list_for_warm_up_and_precompile():
-    """Three quantisations (d; the GeGLU's output; cuBLAS's GeGLU from the Wi product) and, on Hopper, the four
-    products on e4m3 operands with Wqkv's RoPE and Wi's GeGLU; elsewhere cuBLAS does the products."""
+    """The two norms with e4m3 outputs, three quantisations (d; the GeGLU's output; cuBLAS's GeGLU from the Wi
+    product) and, on Hopper, the four products on e4m3 operands with Wqkv's RoPE and Wi's GeGLU; elsewhere cuBLAS
+    does the products."""
     from kernels import gemm_manual as gm
 
     hop = fp8.kernel_specs(1024, 2624, (False, True, False), arch="sm_90a", sms=132)
+    assert [args[:5] for kind, args in hop if kind == "add_ln"] == [(1024, m, False, 1e-5, torch.float8_e4m3fn)
+                                                                    for m in ("inplace", "add")]
     assert [sp for sp in hop if sp[0] == "quant"] == [("quant", (1024, False, torch.bfloat16)),
                                                       ("quant", (2624, False, torch.bfloat16)),
                                                       ("quant", (2624, True, torch.bfloat16))]
@@ -164,11 +167,45 @@ def test_the_fp8_kernel_list_for_warm_up_and_precompile():
         (3072, 1024, False, 2048, False, True), (1024, 1024, True, 0, False, True), (2624, 1024, False, 0, True, True),
         (1024, 2624, False, 0, False, True)]
     assert ws[0][2] == gm.GEMM8 and ws[2][2] == gm.GEGLU8
-    assert all(kind == "quant" for kind, _ in fp8.kernel_specs(1024, 2624, arch="sm_89", sms=128))
-    assert fp8.kernel_specs(1000, 2600, arch="sm_89", sms=128) == []   # widths the kernel cannot walk: torch form
+    assert {kind for kind, _ in fp8.kernel_specs(1024, 2624, arch="sm_89", sms=128)} == {"add_ln", "quant"}
+    # widths the quantisation kernel cannot walk: its torch form
+    assert {kind for kind, _ in fp8.kernel_specs(1000, 2600, arch="sm_89", sms=128)} == {"add_ln"}
+
+
+@pytest.mark.skipif(not HAS_TILELANG, reason="needs tilelang")
+def test_the_norm_with_an_e4m3_output_compiles_for_hopper(monkeypatch, tmp_path):
+    """The row's absolute maximum is one more all-reduce over the normalised row in registers; the store converts
+    to e4m3 and the scale goes to S."""
+    import re
+
+    from kernels import _tl, layernorm
+
+    monkeypatch.setattr(_tl, "_config", {"cache_dir": str(tmp_path), "arch": "sm_90a"})
+    monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path))
+    src = layernorm.add_ln_kernel(1024, "add", False, 1e-5, torch.float8_e4m3fn).get_kernel_source()
+    assert "__NV_SATFINITE, __NV_E4M3" in src and re.search(r"\bS\[", src) and src.count("AllReduce<tl::MaxOp") == 1
+    cfg = layernorm.default_config(1024)
+    assert re.findall(r"float x\[(\d+)\]", src) == [str(cfg.bm * 1024 // cfg.threads)]   # rows still split
 
 
 # -- GPU ----------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_TILELANG, reason="needs tilelang")
+@pytest.mark.parametrize("M", [1, 77, 1003])
+@pytest.mark.parametrize("mode", ["add", "inplace"])
+def test_the_norm_with_an_e4m3_output_equals_norm_then_quantise(M, mode):
+    x = torch.randn(M, 1024, device="cuda") * 3000
+    r = (torch.randn(M, 1024, device="cuda") * 50).bfloat16()
+    w = torch.rand(1024, device="cuda") + 0.5
+    xk = x.clone()
+    q, s = fp8.add_ln(xk, r if mode == "add" else None, w, None, 1e-5, mode, "tilelang",
+                      torch.empty(M, 1024, device="cuda", dtype=torch.bfloat16))
+    xr = x.clone()
+    qr, sr = fp8.add_ln(xr, r if mode == "add" else None, w, None, 1e-5, mode, "torch", None)
+    torch.testing.assert_close(xk, xr, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(s, sr, rtol=1e-5, atol=0)
+    diff = (q.float() - qr.float()).abs()   # fp32 LayerNorm's last bits may differ: at most one e4m3 step, rarely
+    assert (diff > 0).float().mean() < 1e-3 and (diff <= qr.float().abs() / 8 + 2.0 ** -9).all()
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_TILELANG, reason="needs tilelang")
 @pytest.mark.parametrize("M", [1, 77, 1003, 40000])

@@ -139,7 +139,8 @@ class FastForward(ForwardOps, GraphRunner, Packing, DeviceWeights):
         """The FP8 precision's kernels of this model (fp8.kernel_specs)."""
         ly = self.layers[0]
         return _fp8.kernel_specs(self.d, self.inter, (ly.bqkv is not None, ly.bo is not None, ly.bo2 is not None),
-                                 self.act_dtype, arch=self.arch, sms=self.sms, table=self.tuning)
+                                 self.act_dtype, arch=self.arch, sms=self.sms, table=self.tuning, eps=self.eps,
+                                 norm_bias=self.emb_norm[1] is not None)
 
     def _compile_all(self, workers: int | None) -> None:
         try:

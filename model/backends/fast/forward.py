@@ -173,33 +173,36 @@ class ForwardOps(Profiling):
                      or pick_gemm(M, 3 * self.d, self.d, self.tuning).bn % 64 == 0))
 
     def _qkv(self, a, ly, pos, table, out):
-        """Wqkv and RoPE: one GEMM with a rotating epilogue, or the GEMM then the RoPE op."""
-        if not self._fused_rope(a.shape[0]):
+        """Wqkv and RoPE: one GEMM with a rotating epilogue, or the GEMM then the RoPE op (`a` may come quantised
+        under FP8)."""
+        M = out.shape[0]
+        if not self._fused_rope(M):
             self._gemm(a, ly.wqkv, ly.bqkv, out)
             self._rope(out, pos, table)
             return
-        tok = self._mark("gemm %dx%d+rope" % (ly.wqkv.shape[0], a.shape[1]))
         N, K = ly.wqkv.shape
-        b = ly.bqkv if ly.bqkv is not None else self._zero_bias[:N]
-        ws = self._ws_cfg(a.shape[0], N, a.dtype, out.dtype, K=K)
+        tok = self._mark("gemm %dx%d+rope" % (N, K))
         if self.fp8:
-            _fp8.ws_product(_fp8.quantize_rows(a, "tilelang"), ly.wqkv, out, self._ws8(a.shape[0], N), ly.bqkv,
-                            self._zero_bias, (2 * self.d, pos, table[0], table[1]))
+            q = a if isinstance(a, tuple) else _fp8.quantize_rows(a, "tilelang")
+            _fp8.ws_product(q, ly.wqkv, out, self._ws8(M, N), ly.bqkv, self._zero_bias,
+                            (2 * self.d, pos, table[0], table[1]))
             self._done(tok)
             return
+        b = ly.bqkv if ly.bqkv is not None else self._zero_bias[:N]
+        ws = self._ws_cfg(M, N, a.dtype, out.dtype, K=K)
         if ws is not None:
             kern = _gm.gemm_manual_kernel(N, K, ws, ly.bqkv is not None, "none", 2 * self.d, False, a.dtype)
         else:
-            cfg = pick_gemm(a.shape[0], N, K, self.tuning)
+            cfg = pick_gemm(M, N, K, self.tuning)
             kern = _gemm.gemm_kernel(N, K, ly.bqkv is not None, "none", cfg, out.dtype, a.dtype, 2 * self.d)
         kern(a, ly.wqkv, b, out, pos, table[0], table[1])
         self._done(tok)
 
     def _geglu(self, a, wi, out):
-        tok = self._mark("geglu %dx%d" % (wi.shape[0] // 2, a.shape[1]))
+        tok = self._mark("geglu %dx%d" % (wi.shape[0] // 2, wi.shape[1]))
         if isinstance(wi, _fp8.Fp8Weight):   # quantised for the next GEMM: (e4m3, scales), not `out`
-            out = _fp8.geglu(a, wi, self.ops["gemm"], self.ops["geglu"], self._ws8(a.shape[0], wi.shape[0] // 2, True),
-                             out)
+            ws8 = self._ws8(out.shape[0], wi.shape[0] // 2, True)
+            out = _fp8.geglu(a, wi, self.ops["gemm"], self.ops["geglu"], ws8, out)
         elif self.ops["geglu"] == "tilelang":
             Fd = wi.shape[0] // 2
             ws = self._ws_cfg(a.shape[0], Fd, a.dtype, out.dtype, geglu=True, K=a.shape[1])
@@ -213,10 +216,14 @@ class ForwardOps(Profiling):
         self._done(tok)
         return out
 
-    def _add_ln(self, x, r, norm, eps, y, mode):
+    def _add_ln(self, x, r, norm, eps, y, mode, quant=False):
+        """`y` = the norm of the stream (after the residual add), or with `quant` (FP8: the norm feeds an encoder
+        GEMM) its rows in e4m3 and their scales, returned instead of y."""
         tok = self._mark("add_ln")
         wt, b = norm[0], norm[1]
-        if self.ops["add_ln"] == "tilelang":
+        if quant:
+            y = _fp8.add_ln(x, r, wt, b, eps, mode, self.ops["add_ln"], self.R if r is None else r)
+        elif self.ops["add_ln"] == "tilelang":
             rr = r if r is not None else self.R[:x.shape[0]]   # not read, but the host stub checks it
             cfg = pick_add_ln(x.shape[1], self.tuning)
             _ln.add_ln_kernel(x.shape[1], mode, b is not None, eps, y.dtype, cfg, rr.dtype)(
@@ -227,6 +234,7 @@ class ForwardOps(Profiling):
                 x.copy_(xn)
             y.copy_(yn)
         self._done(tok)
+        return y
 
     def _rope(self, qkv, pos, table):
         tok = self._mark("rope")
@@ -253,17 +261,18 @@ class ForwardOps(Profiling):
         v = self._views(Tb)
         X, Y, QKV, Ob, R = self.X[:Tb], self.Y[:Tb], self.QKV[:Tb], self.O[:Tb], self.R[:Tb]
         torch.index_select(self.emb, 0, v["ids"], out=X)
-        self._add_ln(X, None, self.emb_norm, self.eps, Y, "inplace")
+        q8 = self.fp8   # under FP8 the norms that feed the encoder's GEMMs hand them e4m3 rows and their scales
+        Yq = self._add_ln(X, None, self.emb_norm, self.eps, Y, "inplace", q8)
         n = len(self.layers)
         for i, ly in enumerate(self.layers):
-            self._qkv(Y, ly, v["pos"], self.rope_tables[ly.rope], QKV)
+            self._qkv(Yq, ly, v["pos"], self.rope_tables[ly.rope], QKV)
             self._attention(QKV, v, self.heads, ly.window, Ob)
             self._gemm(Ob, ly.wo, ly.bo, R)
-            self._add_ln(X, R, ly.mlp_norm, self.eps, Y, "add")
+            Yq = self._add_ln(X, R, ly.mlp_norm, self.eps, Y, "add", q8)
             G = self.G[:Tb * self.inter].view(Tb, self.inter)
-            self._gemm(self._geglu(Y, ly.wi, G), ly.wo2, ly.bo2, R)
+            self._gemm(self._geglu(Yq, ly.wi, G), ly.wo2, ly.bo2, R)
             if i + 1 < n:
-                self._add_ln(X, R, self.layers[i + 1].attn_norm, self.eps, Y, "add")
+                Yq = self._add_ln(X, R, self.layers[i + 1].attn_norm, self.eps, Y, "add", q8)
             else:
                 self._add_ln(X, R, self.final_norm, self.eps, Y, "add_inplace")
         X.add_(self.type_emb.index_select(0, v["ttype"]))

@@ -22,7 +22,9 @@ import torch
 import torch.nn.functional as F
 
 from kernels import gemm_manual as _gm
+from kernels import layernorm as _ln
 from kernels import quant as _quant
+from kernels import tuning as _tuning
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = _quant.E4M3_MAX
@@ -42,14 +44,18 @@ class Fp8Weight:
 
 
 def kernel_specs(d: int, inter: int, biases: tuple[bool, bool, bool] = (False, False, False),
-                 dtype: torch.dtype = torch.bfloat16, *, arch: str, sms: int, table=None) -> list[tuple[str, tuple]]:
-    """The FP8 precision's kernels of an encoder of width d and GeGLU width inter (biases: Wqkv's, Wo's, MLP Wo's):
-    the per-token quantisation of the GEMM inputs (after LayerNorm and attention, the GeGLU's output, and cuBLAS's
-    GeGLU from the Wi product) and, on Hopper for many rows, the e4m3 hand-warp-specialised products."""
+                 dtype: torch.dtype = torch.bfloat16, *, arch: str, sms: int, table=None, eps: float = 1e-5,
+                 norm_bias: bool = False) -> list[tuple[str, tuple]]:
+    """The FP8 precision's kernels of an encoder of width d and GeGLU width inter (biases: Wqkv's, Wo's, MLP Wo's;
+    the norms' eps and bias): the norms that feed its GEMMs with e4m3 outputs, the per-token quantisation of the
+    other GEMM inputs (attention's output, the GeGLU's, cuBLAS's GeGLU from the Wi product) and, on Hopper for many
+    rows, the e4m3 hand-warp-specialised products."""
     from kernels import tuning
 
     table = table or tuning.TABLE
-    specs = [("quant", (K, g, dtype)) for K, g in ((d, False), (inter, False), (inter, True)) if _quant.fits(K)]
+    ln = (tuning.pick_add_ln(d, table), dtype)
+    specs = [("add_ln", (d, mode, norm_bias, eps, E4M3, *ln)) for mode in ("inplace", "add")]
+    specs += [("quant", (K, g, dtype)) for K, g in ((d, False), (inter, False), (inter, True)) if _quant.fits(K)]
     for N, K, b, rope, g in ((3 * d, d, biases[0], 2 * d, False), (d, d, biases[1], 0, False),
                              (inter, d, False, 0, True), (d, inter, biases[2], 0, False)):
         cfg = tuning.pick_gemm_ws8(table.small_m + 1, N, g, arch=arch, sms=sms, table=table)
@@ -84,6 +90,26 @@ def quantize_rows(a: torch.Tensor, impl: str = "torch", geglu: bool = False) -> 
         q, s = _quant.quant(a, geglu)
     else:
         q, s = (_quant.geglu_quant_ref if geglu else _quant.quant_rows_ref)(a)
+    return q, s.view(-1, 1)
+
+
+def add_ln(x: torch.Tensor, r: torch.Tensor | None, w: torch.Tensor, b: torch.Tensor | None, eps: float, mode: str,
+           impl: str, r_like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """kernels/layernorm.py's add + LayerNorm (X updated per `mode`) with its output quantised per row from the fp32
+    value: (e4m3 [M, D], scales [M, 1]). impl "tilelang": one kernel (`r_like` stands in for an absent residual
+    input, unread), else the torch reference then `quant_rows_ref`."""
+    M, D = x.shape
+    if impl == "tilelang":
+        q = torch.empty(M, D, dtype=E4M3, device=x.device)
+        s = torch.empty(M, dtype=torch.float32, device=x.device)
+        rr = r if r is not None else r_like[:M]
+        cfg = _tuning.pick_add_ln(D)
+        _ln.add_ln_kernel(D, mode, b is not None, eps, E4M3, cfg, rr.dtype)(x, rr, w, b if b is not None else w, q, s)
+        return q, s.view(-1, 1)
+    xn, yn = _ln.add_ln_ref(x, r, w, b, eps, mode, torch.float32)
+    if mode != "plain":
+        x.copy_(xn)
+    q, s = _quant.quant_rows_ref(yn)
     return q, s.view(-1, 1)
 
 
