@@ -7,6 +7,7 @@ import multiprocessing as mp
 import os
 import signal
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -181,6 +182,39 @@ def test_the_fast_forward_holds_the_gpu_lock_until_its_work_is_done(bundle, rows
         np.testing.assert_array_equal(lg2, want[0])
         np.testing.assert_array_equal(p2, want[1])
         assert not lock.held
+    finally:
+        release.set()
+        other.join(60)
+
+
+def test_a_forward_stages_its_first_chunk_before_it_waits_for_the_gpu(bundle, rows, tmp_path):
+    """The host work of a forward's first chunk is done while another process holds the GPU, so the GPU idles for
+    none of it: slot 0's staging buffer holds the rows' ids before the lock is free, and the answers are the same."""
+    path = str(tmp_path / "gpu.lock")
+    fast = make_backend(load_model(bundle), bundle, torch.device("cpu"), ops="torch", max_batch_tokens=2048,
+                        gpu_lock=GpuLock(path))
+    ff = fast.engine
+    want = fast.forward(rows[:3])
+    host = ff._slots[0][0]
+    held, release = CTX.Event(), CTX.Event()
+    other = CTX.Process(target=_hold, args=(path, held, release))
+    other.start()
+    try:
+        assert held.wait(60)
+        host.zero_()
+        out = []
+        t = threading.Thread(target=lambda: out.append(fast.forward(rows[:3])))
+        t.start()
+        ids = rows[2].ids   # the longest row first, as the chunk is packed
+        deadline = time.monotonic() + 30
+        while not (host != 0).any() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert (host != 0).any() and t.is_alive() and not out   # staged, still waiting for the GPU
+        assert set(host.tolist()) >= set(ids[:4])
+        release.set()
+        t.join(60)
+        np.testing.assert_array_equal(out[0][0], want[0])
+        np.testing.assert_array_equal(out[0][1], want[1])
     finally:
         release.set()
         other.join(60)

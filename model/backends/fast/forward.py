@@ -331,17 +331,23 @@ class ForwardOps(Profiling):
         return torch.cat([logits, torch.softmax(act, -1)[:, :1]], 1)
 
     @torch.no_grad()
-    def _launch_chunk(self, rows: Sequence[Row], slot: int) -> tuple[torch.Tensor, Any, int, int]:
-        """Stage one chunk in host slot `slot` and queue its GPU work (encoder graph, tail, the copy of its
-        outputs to pinned host memory) without waiting for it; returns (host outputs, done event, kmax, kb)."""
+    def _stage_slot(self, rows: Sequence[Row], slot: int) -> tuple[np.ndarray, int]:
+        """Host work only: stage one chunk in host slot `slot` (once the chunk that last used it has been read)."""
+        if self._slot_done[slot] is not None:
+            self._slot_done[slot].synchronize()
+        return self._stage(rows, self.bucket_for(sum(len(r.ids) for r in rows), len(rows)), self._slots[slot][0])
+
+    def _launch_chunk(self, rows: Sequence[Row], slot: int, staged: tuple | None = None
+                      ) -> tuple[torch.Tensor, Any, int, int]:
+        """Stage one chunk in host slot `slot` (unless `staged` by `_stage_slot`) and queue its GPU work (encoder
+        graph, tail, the copy of its outputs to pinned host memory) without waiting for it; returns (host outputs,
+        done event, kmax, kb)."""
         n = len(rows)
         total = sum(len(r.ids) for r in rows)
         Tb = self.bucket_for(total, n)
         cuda = self.device.type == "cuda"
         ints_host, tail_host = self._slots[slot]
-        if self._slot_done[slot] is not None:   # the chunk that last used this slot has read it
-            self._slot_done[slot].synchronize()
-        cu, gb = self._stage(rows, Tb, ints_host)
+        cu, gb = staged if staged is not None else self._stage_slot(rows, slot)
         size = self._int_size(Tb)
         self._ints[:size].copy_(ints_host[:size], non_blocking=True)
         self._encoder(Tb, gb)
@@ -387,12 +393,15 @@ class ForwardOps(Profiling):
         if not rows:
             return np.zeros((0, 0), np.float32), np.zeros((0,), np.float32)
         self._check(rows)
-        with self._lock, self._gpu():   # _collect waits for every chunk before the GPU lock goes
-            self.stats.forwards += 1
-            # every chunk is queued before any is collected: while the GPU runs chunk k the host stages chunk
-            # k + 1 (two staging slots; a slot is refilled only after its previous chunk's GPU work is done)
-            pending = [self._launch_chunk(c, i % 2) for i, c in enumerate(self._chunks(rows, max_tokens))]
-            parts = [self._collect(p) for p in pending]
+        with self._lock:
+            chunks = self._chunks(rows, max_tokens)
+            first = self._stage_slot(chunks[0], 0)   # before the GPU lock: another process's forward runs meanwhile
+            with self._gpu():   # _collect waits for every chunk before the GPU lock goes
+                self.stats.forwards += 1
+                # every chunk is queued before any is collected: while the GPU runs chunk k the host stages chunk
+                # k + 1 (two staging slots; a slot is refilled only after its previous chunk's GPU work is done)
+                pending = [self._launch_chunk(c, i % 2, first if i == 0 else None) for i, c in enumerate(chunks)]
+                parts = [self._collect(p) for p in pending]
         return self._assemble(rows, parts)
 
     def launch(self, rows: Sequence[Row]) -> Launched | None:
