@@ -228,27 +228,33 @@ def test_the_quantisation_kernels_equal_their_references(M, K, geglu):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_TILELANG, reason="needs tilelang")
-def test_fp8_with_the_kernels_equals_fp8_with_torch_ops_on_the_gpu(bundle, rows):
-    """The quantisation kernels change nothing but where the work runs: the forward with them against the same
-    forward with every op in torch, both on the GPU."""
+def test_fp8_with_the_kernels_equals_fp8_with_torch_ops_on_the_gpu(bundle, rows, rows_scored):
+    """The kernels (norms with e4m3 outputs, quantisation, the e4m3 hand-warp-specialised GEMMs for the buckets past
+    small_m) change where the work runs, not what it computes: against the same forward with every op in torch on
+    the GPU, they differ by a small part of what FP8 itself moves the answers from fp32 (rounding order, erf's last
+    bits, the GeGLU's bf16 staging before its quantisation)."""
     dev = torch.device("cuda")
     fast = make_backend(load_model(bundle), bundle, dev, max_batch_tokens=4096, fp8=True)
     ref = make_backend(load_model(bundle), bundle, dev, max_batch_tokens=4096, fp8=True, ops="torch",
                        act_dtype=torch.bfloat16, use_graphs=False)
-    assert ("quant", (bundle.encoder_config.hidden_size, False, torch.bfloat16)) in fast.engine._kernel_specs()
+    kinds = {kind for kind, _ in fast.engine._kernel_specs()}
+    assert {"quant", "add_ln", "gemm_ws"} <= kinds
     l1, p1 = fast.forward(rows)
     l2, p2 = ref.forward(rows)
+    l_ref, _ = rows_scored
     dp = np.abs(_softmax(l1) - _softmax(l2)).max()
-    assert dp < 0.05 and (l1.argmax(-1) == l2.argmax(-1)).mean() >= 0.97, dp
-
+    dp_fp8 = np.abs(_softmax(l2) - _softmax(l_ref)).max()
+    assert np.isfinite(l1).all() and dp <= 0.25 * dp_fp8 + 0.01, (dp, dp_fp8)
+    assert (l1.argmax(-1) == l2.argmax(-1)).mean() >= 0.9 and np.abs(p1 - p2).max() < 0.05
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_TILELANG, reason="needs tilelang")
 def test_fp8_on_the_gpu_matches_its_cpu_form_and_captures_nothing_after_warm_up(bundle, rows, rows_scored,
                                                                                fp8_forward, monkeypatch):
-    """LAYA_FLEET_CUDA_AMP=fp8 turns the fast backend's GEMMs to cuBLASLt's e4m3 on its own; the answers sit as
-    near fp32 as the CPU form's (the same rounding, another summation order), graphs and all."""
+    """LAYA_FLEET_CUDA_AMP=fp8 turns the fast backend's encoder GEMMs to e4m3 on its own; the answers sit about as
+    near fp32 as the CPU form's (the same quantisation, bf16 activations, another summation order), graphs and
+    all."""
     monkeypatch.setenv("LAYA_FLEET_CUDA_AMP", "fp8")
     fast = make_backend(load_model(bundle), bundle, torch.device("cuda"), max_batch_tokens=4096)
     assert fast.engine.fp8 and fast.engine.act_dtype == torch.bfloat16 and fast.precision == "fp8-e4m3"
