@@ -222,7 +222,7 @@ class ForwardOps(Profiling):
         tok = self._mark("add_ln")
         wt, b = norm[0], norm[1]
         if quant:
-            y = _fp8.add_ln(x, r, wt, b, eps, mode, self.ops["add_ln"], self.R if r is None else r)
+            y = _fp8.add_ln(x, r, wt, b, eps, mode, self.ops["add_ln"], self.R, pick_add_ln(x.shape[1], self.tuning))
         elif self.ops["add_ln"] == "tilelang":
             rr = r if r is not None else self.R[:x.shape[0]]   # not read, but the host stub checks it
             cfg = pick_add_ln(x.shape[1], self.tuning)

@@ -1,13 +1,15 @@
 """The fast forward's FP8 precision (opt-in): the encoder's four GEMMs a layer in e4m3 with fp32 accumulation.
 
 Scaling: each weight row (output channel) by its own absolute maximum, fixed at load; each activation row (token)
-by its own, measured as the row is quantised. A product is then `torch._scaled_mm` with those two scale vectors
-(cuBLASLt's FP8 tensor-core GEMM on sm_89+; the same call runs on CPU, so the numerics can be checked there),
-written straight into the forward's bf16 buffer. The activations are quantised by kernels/quant.py (one pass
-over them; the GeGLU is computed in the same pass from the Wi product, so its output goes to the next GEMM in
-e4m3) or, with torch ops, by its reference form. Everything else stays as in bf16: the fp32
-residual stream, LayerNorm, attention and its softmax, the decision head and scorer (whose GEMMs are a sliver of
-the FLOPs and whose outputs are the answers).
+by its own, measured as the row is quantised. The norms that feed the GEMMs write e4m3 rows and their scales
+(kernels/layernorm.py); attention's and the GeGLU's outputs go through kernels/quant.py. On Hopper, for more
+than small_m rows, the products run on kernels/gemm_manual.py's hand-warp-specialised kernels with e4m3 operands
+(scales applied to the accumulator, Wqkv's RoPE and Wi's GeGLU in the epilogue); otherwise on
+`torch._scaled_mm` with the two scale vectors (cuBLASLt's FP8 GEMM on sm_89+; the same call runs on CPU, where
+the tests check the numerics), whose GeGLU then comes from the whole Wi product in the quantisation pass. With
+torch ops every step has its reference form. Everything else stays as in bf16: the fp32 residual stream,
+attention and its softmax, the decision head and scorer (whose GEMMs are a sliver of the FLOPs and whose outputs
+are the answers).
 
 Per-token activation scales follow the rows' own range (one large token does not flatten the others' resolution)
 and per-channel weight scales each output column's; e4m3 keeps 3 mantissa bits, so a product's relative error is
@@ -50,15 +52,13 @@ def kernel_specs(d: int, inter: int, biases: tuple[bool, bool, bool] = (False, F
     the norms' eps and bias): the norms that feed its GEMMs with e4m3 outputs, the per-token quantisation of the
     other GEMM inputs (attention's output, the GeGLU's, cuBLAS's GeGLU from the Wi product) and, on Hopper for many
     rows, the e4m3 hand-warp-specialised products."""
-    from kernels import tuning
-
-    table = table or tuning.TABLE
-    ln = (tuning.pick_add_ln(d, table), dtype)
+    table = table or _tuning.TABLE
+    ln = (_tuning.pick_add_ln(d, table), dtype)
     specs = [("add_ln", (d, mode, norm_bias, eps, E4M3, *ln)) for mode in ("inplace", "add")]
     specs += [("quant", (K, g, dtype)) for K, g in ((d, False), (inter, False), (inter, True)) if _quant.fits(K)]
     for N, K, b, rope, g in ((3 * d, d, biases[0], 2 * d, False), (d, d, biases[1], 0, False),
                              (inter, d, False, 0, True), (d, inter, biases[2], 0, False)):
-        cfg = tuning.pick_gemm_ws8(table.small_m + 1, N, g, arch=arch, sms=sms, table=table)
+        cfg = _tuning.pick_gemm_ws8(table.small_m + 1, N, g, arch=arch, sms=sms, table=table)
         if cfg is not None:
             specs.append(("gemm_ws", (N, K, cfg, b, "none", rope, g, dtype, True)))
     return specs
@@ -94,16 +94,17 @@ def quantize_rows(a: torch.Tensor, impl: str = "torch", geglu: bool = False) -> 
 
 
 def add_ln(x: torch.Tensor, r: torch.Tensor | None, w: torch.Tensor, b: torch.Tensor | None, eps: float, mode: str,
-           impl: str, r_like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+           impl: str, r_like: torch.Tensor | None, cfg=None) -> tuple[torch.Tensor, torch.Tensor]:
     """kernels/layernorm.py's add + LayerNorm (X updated per `mode`) with its output quantised per row from the fp32
-    value: (e4m3 [M, D], scales [M, 1]). impl "tilelang": one kernel (`r_like` stands in for an absent residual
-    input, unread), else the torch reference then `quant_rows_ref`."""
+    value: (e4m3 [M, D], scales [M, 1]). impl "tilelang": one kernel of config `cfg` (default: the committed
+    table's; `r_like` stands in for an absent residual input, unread), else the torch reference then
+    `quant_rows_ref`."""
     M, D = x.shape
     if impl == "tilelang":
         q = torch.empty(M, D, dtype=E4M3, device=x.device)
         s = torch.empty(M, dtype=torch.float32, device=x.device)
         rr = r if r is not None else r_like[:M]
-        cfg = _tuning.pick_add_ln(D)
+        cfg = cfg or _tuning.pick_add_ln(D)
         _ln.add_ln_kernel(D, mode, b is not None, eps, E4M3, cfg, rr.dtype)(x, rr, w, b if b is not None else w, q, s)
         return q, s.view(-1, 1)
     xn, yn = _ln.add_ln_ref(x, r, w, b, eps, mode, torch.float32)
