@@ -35,6 +35,7 @@ if ROOT not in sys.path:   # run as a script, Python puts bench/ on sys.path, no
 
 from bench.fastpath import attention_sweep, common, gemm8, gemm_sweep, model_sections, references, report, workloads  # noqa: E402
 
+ENGINES = ("fast", "fast16", "fast8", "eager", "fp32")
 SECTIONS = ("gemm", "gemm8", "add_ln", "attention", "numerics", "latency", "profile", "offline", "hf", "upstream")
 
 
@@ -53,6 +54,8 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
     ap.add_argument("--upstream-offline-states", type=int, default=256)
     ap.add_argument("--skip", nargs="*", default=[],
                     help="sections to skip: gemm gemm8 add_ln attention numerics latency profile offline hf upstream")
+    ap.add_argument("--engines", nargs="*", default=list(ENGINES),
+                    help="engines to build: fast (bf16) fast16 fast8 eager fp32 (numerics needs fp32)")
     ap.add_argument("--plot", default=None, help="only redraw the PNG from this JSON")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run of the script")
     ap.add_argument("--attention-child", default=None, help=argparse.SUPPRESS)
@@ -82,6 +85,9 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
             ap.error("--skip-manual: unknown %s (alternatives: %s)" % (", ".join(bad), ", ".join(tags)))
         for g, alts in GEMM_WS.items():   # the candidates this run times (a benchmark's own list)
             GEMM_WS[g] = tuple(c for c in alts if c.tag() not in skip_manual)
+    if any(x not in ENGINES for x in a.engines):
+        ap.error("--engines: unknown %s (use %s)" % (", ".join(x for x in a.engines if x not in ENGINES),
+                                                     " ".join(ENGINES)))
     if any(x not in SECTIONS for x in a.skip):  # a misspelt section would silently run
         ap.error("--skip: unknown %s (use %s)" % (", ".join(x for x in a.skip if x not in SECTIONS),
                                                  ", ".join(SECTIONS)))
@@ -191,7 +197,7 @@ def run(a: argparse.Namespace, skip_attn: list[str]) -> int:
     flops_tok = flops_per_token(ec.hidden_size, ec.num_hidden_layers, ec.intermediate_size, 2, 4 * ec.hidden_size)
     res["flops_per_token"] = flops_tok
     engines = {}
-    for name in ("fast", "fast16", "fast8", "eager", "fp32"):
+    for name in a.engines:
         try:
             engines.update(workloads.make_engines(a.ckpt, [name], a.max_batch_tokens, a.device, attn_cfg))
             res.setdefault("load", {})[name] = engines[name][1]
