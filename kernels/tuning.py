@@ -24,7 +24,7 @@ from . import layernorm as _ln
 
 PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuning.json")
 _CLASSES = {"gemm": _gemm.GemmConfig, "geglu": _geglu.GegluConfig, "add_ln": _ln.LNConfig,
-            "gemm_ws": _gm.GemmWSConfig}
+            "gemm_ws": _gm.GemmWSConfig, "gemm_small": _gemm.GemmConfig, "geglu_small": _geglu.GegluConfig}
 
 
 @dataclass(frozen=True)
@@ -32,12 +32,15 @@ class Tuning:
     """Measured winners. small_m: token buckets up to this many rows run the small tiles (gemm.SMALL, geglu.SMALL),
     larger ones the large-M kernels; gemm / geglu: "NxK" (or "FxK") -> config for more than small_m rows; add_ln:
     "D" -> config; gemm_ws: "gemm" / "geglu" (every product of that form) or "gemm:NxK" / "geglu:FxK" (one
-    product)."""
+    product); gemm_small / geglu_small: "NxK" / "FxK" -> config for up to small_m rows (else gemm.SMALL /
+    geglu.SMALL)."""
 
     gemm: Mapping[str, Any] = field(default_factory=dict)
     geglu: Mapping[str, Any] = field(default_factory=dict)
     add_ln: Mapping[str, Any] = field(default_factory=dict)
     gemm_ws: Mapping[str, Any] = field(default_factory=dict)
+    gemm_small: Mapping[str, Any] = field(default_factory=dict)
+    geglu_small: Mapping[str, Any] = field(default_factory=dict)
     small_m: int = _gemm.SMALL_M
 
     @classmethod
@@ -76,20 +79,21 @@ TABLE = Tuning.from_json()
 
 
 def pick_gemm(M: int, N: int, K: int | None = None, table: Tuning = TABLE) -> _gemm.GemmConfig:
-    """The tile config of an M x N (x K) GEMM: NARROW for N <= 64, SMALL up to the table's small_m rows, else the
-    table's winner for this product or LARGE (`gemm.default_config` with small_m moved)."""
+    """The tile config of an M x N (x K) GEMM: NARROW for N <= 64; up to the table's small_m rows its small-tile
+    winner for this product or SMALL; else its winner for this product or LARGE (`gemm.default_config` with
+    small_m moved)."""
     if N <= 64:
         return _gemm.NARROW
     if M <= table.small_m:
-        return _gemm.SMALL
+        return table.gemm_small.get("%dx%s" % (N, K)) or _gemm.SMALL
     return table.gemm.get("%dx%s" % (N, K)) or _gemm.LARGE
 
 
 def pick_geglu(M: int, Fd: int, K: int, table: Tuning = TABLE) -> _geglu.GegluConfig:
-    """The tile config of an M-row GeGLU of width Fd over K: SMALL up to the table's small_m rows, else the
-    table's winner for this product or LARGE."""
+    """The tile config of an M-row GeGLU of width Fd over K: up to the table's small_m rows its small-tile winner
+    or SMALL, else its winner for this product or LARGE."""
     if M <= table.small_m:
-        return _geglu.SMALL
+        return table.geglu_small.get("%dx%d" % (Fd, K)) or _geglu.SMALL
     return table.geglu.get("%dx%d" % (Fd, K)) or _geglu.LARGE
 
 

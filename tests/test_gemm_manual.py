@@ -110,6 +110,26 @@ def test_small_m_moves_where_the_small_tiles_end(tmp_path):
             tuning.Tuning.from_dict({"small_m": bad})
 
 
+def test_a_small_tile_winner_runs_for_its_product_up_to_small_m(tmp_path):
+    """gemm_small / geglu_small (bench/small_gemm.py's proposals) replace SMALL for their product only, up to
+    small_m rows, and the forward's kernel list builds them."""
+    narrow = replace(gemm.SMALL, bn=32)
+    g32 = replace(geglu.SMALL, bn=32)
+    table = tuning.Tuning().with_entry("gemm_small", "1024x2624", narrow).with_entry("geglu_small", "2624x1024", g32)
+    small = table.small_m
+    assert tuning.pick_gemm(small, 1024, 2624, table) == narrow
+    assert tuning.pick_gemm(small, 1024, 1024, table) == gemm.SMALL
+    assert tuning.pick_gemm(small + 1, 1024, 2624, table) == gemm.LARGE
+    assert tuning.pick_geglu(64, 2624, 1024, table) == g32 and tuning.pick_geglu(small + 1, 2624, 1024, table) != g32
+    dims = dict(d=1024, heads=16, inter=2624, ffn=4096, windows={0, 64}, arch="sm_90a", sms=132)
+    specs = forward.kernel_specs(**dims, table=table)
+    assert ("gemm", (1024, 2624, False, "none", narrow, BF)) in specs and ("geglu", (2624, 1024, g32)) in specs
+    assert ("gemm", (1024, 2624, False, "none", gemm.SMALL, BF)) not in specs
+    path = tmp_path / "tuning.json"
+    path.write_text(json.dumps(table.as_dict()))
+    assert tuning.Tuning.from_json(str(path)) == table
+
+
 def test_the_forward_lists_manual_kernels_for_many_rows_only():
     dims = dict(d=1024, heads=16, inter=2624, ffn=4096, windows={0, 64})
     specs = forward.kernel_specs(**dims, arch="sm_90a", sms=132)

@@ -65,30 +65,31 @@ def kernel_specs(d: int, heads: int, inter: int, ffn: int, windows, eps: float =
     adt = dtype
     half = () if dtype == torch.bfloat16 else (dtype,)  # bf16 specs keep their historical form
     big = table.small_m + 1
-    for g, gg in ((_gemm.SMALL, _geglu.SMALL), (None, pick_geglu(big, inter, d, table))):
-        def cfg(M: int, N: int, K: int, g=g) -> _gemm.GemmConfig:
-            return g if g is not None else pick_gemm(M, N, K, table)
+    for rows in (64, big):   # the two tile regimes: up to small_m rows, and past it
+        def cfg(N: int, K: int, rows=rows) -> _gemm.GemmConfig:
+            return pick_gemm(rows, N, K, table)
 
-        qkv_cfg = cfg(big, 3 * d, d)   # Wqkv rotates Q and K in its epilogue (RoPE fused) when the tile allows
+        gg = pick_geglu(rows, inter, d, table)
+        qkv_cfg = cfg(3 * d, d)   # Wqkv rotates Q and K in its epilogue (RoPE fused) when the tile allows
         qkv = (3 * d, d, qkv_bias, "none", qkv_cfg, adt) + ((adt, 2 * d) if qkv_cfg.bn % 64 == 0 else half)
         prods = [(3 * d, d, qkv_bias, "none", 2 * d), (d, d, out_bias, "none", 0), (d, inter, out_bias, "none", 0),
                  (3 * d, d, True, "none", 0), (d, d, True, "none", 0), (ffn, d, True, "relu", 0),
                  (d, ffn, True, "none", 0), (d, d, True, "gelu", 0)]
-        ws = ws_cfg(big, 3 * d) if g is None else None
+        ws = ws_cfg(big, 3 * d) if rows == big else None
         if ws is not None:
             # Hopper, many rows: the hand-warp-specialised kernels (kernels/gemm_manual.py); RoPE always fused
             specs += [("gemm_ws", (N, K, ws_cfg(big, N, K=K), b, a, r, False, adt)) for N, K, b, a, r in prods]
             specs.append(("gemm_ws", (inter, d, ws_cfg(big, inter, True, d), False, "none", 0, True, adt)))
             continue
         specs += [("gemm", qkv),
-                  ("gemm", (d, d, out_bias, "none", cfg(big, d, d), adt, *half)),
+                  ("gemm", (d, d, out_bias, "none", cfg(d, d), adt, *half)),
                   ("geglu", (inter, d, gg, *half)),
-                  ("gemm", (d, inter, out_bias, "none", cfg(big, d, inter), adt, *half)),
-                  ("gemm", (3 * d, d, True, "none", cfg(big, 3 * d, d), adt, *half)),
-                  ("gemm", (d, d, True, "none", cfg(big, d, d), adt, *half)),
-                  ("gemm", (ffn, d, True, "relu", cfg(big, ffn, d), adt, *half)),
-                  ("gemm", (d, ffn, True, "none", cfg(big, d, ffn), adt, *half)),
-                  ("gemm", (d, d, True, "gelu", cfg(big, d, d), adt, *half))]
+                  ("gemm", (d, inter, out_bias, "none", cfg(d, inter), adt, *half)),
+                  ("gemm", (3 * d, d, True, "none", cfg(3 * d, d), adt, *half)),
+                  ("gemm", (d, d, True, "none", cfg(d, d), adt, *half)),
+                  ("gemm", (ffn, d, True, "relu", cfg(ffn, d), adt, *half)),
+                  ("gemm", (d, ffn, True, "none", cfg(d, ffn), adt, *half)),
+                  ("gemm", (d, d, True, "gelu", cfg(d, d), adt, *half))]
     specs.append(("gemm", (SCORER_PAD, d, True, "none", _gemm.NARROW, torch.float32, *half)))
     ln = (pick_add_ln(d, table), dtype)  # add_ln's (cfg, residual dtype)
     specs += [("add_ln", (d, "inplace", norm_bias, eps, adt, *ln)), ("add_ln", (d, "add", norm_bias, eps, adt, *ln)),
