@@ -104,4 +104,6 @@ def sweep_specs(shape: str = "modernbert-large") -> list[tuple[str, tuple]]:
     for c in SWEEP_LN:
         out += [("add_ln", (d, m, False, 1e-5, BF, c)) for m in ("add", "inplace", "add_inplace")]
         out += [("add_ln", (d, m, True, 1e-5, BF, c)) for m in ("plain", "add")]
-    return out
+    from bench.small_gemm import small_specs
+
+    return out + small_specs(shape)   # bench/small_gemm.py's candidates
