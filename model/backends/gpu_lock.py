@@ -114,9 +114,10 @@ class GpuLock:
                 log.debug("GPU work before a lock release failed", exc_info=True)
             try:
                 self.release()
-            except RuntimeError:   # closed meanwhile: the file, and so the lock, is already gone
-                log.warning("GPU lock %s closed before a handed-over release", self.path)
-            released.set()
+            except Exception:  # noqa: BLE001 - closed meanwhile (the file, and so the lock, is gone) or unlock failed
+                log.warning("GPU lock %s: a handed-over release failed", self.path, exc_info=True)
+            finally:
+                released.set()   # the collect waiting on it must never hang on this thread's failure
 
     @property
     def held(self) -> bool:
