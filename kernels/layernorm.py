@@ -16,11 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from . import _tl
+from .quant import E4M3_MAX, FP8, MIN_AMAX  # one quantisation rule for the norm's e4m3 output and quant.py's
 
 MODES = ("add", "plain", "inplace", "add_inplace")
-FP8 = "float8_e4m3fn"
-E4M3_MAX = 448.0
-MIN_AMAX = 1e-12   # as kernels/quant.py: a zero row quantises to zeros
 
 
 @dataclass(frozen=True)

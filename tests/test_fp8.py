@@ -98,6 +98,11 @@ def test_the_fp8_forward_stays_near_fp32_and_says_so(bundle, rows, rows_scored, 
     assert np.abs(act - p_ref).max() < 0.1
 
 
+def test_a_non_boolean_fp8_option_names_itself(bundle):
+    with pytest.raises(ValueError, match="fp8 is True or False, got 'no'"):
+        make_backend(load_model(bundle), bundle, torch.device("cpu"), ops="torch", fp8="no")
+
+
 def test_fp8_is_chosen_by_setting_or_checkpoint_and_refused_off_the_fast_backend(monkeypatch):
     monkeypatch.delenv("LAYA_FLEET_CUDA_AMP", raising=False)
     monkeypatch.delenv("LAYA_CUDA_AMP", raising=False)

@@ -69,7 +69,9 @@ class FastForward(ForwardOps, GraphRunner, Packing, DeviceWeights):
                  compile_workers: int | None = None, tuning: Tuning = TABLE,
                  gpu_lock: _gpu_lock.GpuLock | None | str = "auto", fp8: bool = False):
         self.device = torch.device(device)
-        self.fp8 = bool(fp8)   # the encoder's GEMMs in e4m3 (fp8.py)
+        if not isinstance(fp8, bool):   # a string such as "no" would read as on
+            raise ValueError("fp8 is True or False, got %r" % (fp8,))
+        self.fp8 = fp8   # the encoder's GEMMs in e4m3 (fp8.py)
         if self.fp8:
             _fp8.check_device(self.device)
         self.ops = self._resolve_ops(ops)
