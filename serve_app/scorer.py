@@ -105,11 +105,13 @@ class Scorer:
                  cache_dir: str | None = None, max_batch_tokens: int | None = None,
                  max_batch_rows: int | None = None, warmup: bool = True, backend_options: dict | None = None,
                  budget_goal: str = "latency", probe_budget: bool | None = None,
-                 budget_candidates: Sequence[int] | None = None, probe_lengths: Sequence[int] | None = None):
+                 budget_candidates: Sequence[int] | None = None, probe_lengths: Sequence[int] | None = None,
+                 cuda_graphs: bool | None = None):
         """`budget_goal`: `latency` or `throughput` (see the module docstring). `probe_budget`: measure the budget
         at warm-up (default: on CUDA, without `max_batch_tokens`); `budget_candidates` the budgets it measures
         (default by goal); `probe_lengths` row lengths of the job (a sample) the throughput probe of a packed
-        backend scores instead of rows of max_len."""
+        backend scores instead of rows of max_len. `cuda_graphs`: whether the fast backend captures its token
+        buckets' CUDA graphs at warm-up (None: the backend's default, on; other backends ignore it)."""
         if budget_goal not in GOALS:
             raise ValueError("budget_goal must be one of %s, got %r" % (GOALS, budget_goal))
         t0 = time.perf_counter()
@@ -120,7 +122,7 @@ class Scorer:
         self.probe_lengths = [int(n) for n in probe_lengths] if probe_lengths else None
         self._explicit_budget = bool(max_batch_tokens)
         self.engine = self._load(checkpoint, backend, device, cache_dir, dict(backend_options or {}),
-                                 warmup and (probe_budget is not False), probe_budget)
+                                 warmup and (probe_budget is not False), probe_budget, cuda_graphs)
         self.packed = bool(self.engine.backend.packed)
         self.max_batch_rows = max_batch_rows
         self.stats = ScorerStats()
@@ -142,7 +144,7 @@ class Scorer:
                  self.engine.backend_name, self.engine.device, self.budget, self.load_s, self.stats.warmup_s)
 
     def _load(self, checkpoint: str, backend: str, device: str | None, cache_dir: str | None, options: dict,
-              may_probe: bool, probe: bool | None):
+              may_probe: bool, probe: bool | None, cuda_graphs: bool | None):
         """`model.load`; a throughput probe on the fast backend first sizes its buffers for the largest candidate
         (otherwise every candidate above its default chunk would measure that chunk), halving it on OOM."""
         import model
@@ -152,6 +154,8 @@ class Scorer:
         name = ALIASES.get(backend, backend)
         dev = resolve_device(device)
         fast = name == "fast" or (name == "auto" and dev.type == "cuda")
+        if fast and cuda_graphs is not None:
+            options.setdefault("use_graphs", bool(cuda_graphs))
         sized = (self.budget_goal == "throughput" and fast and may_probe and not self._explicit_budget
                  and "max_batch_tokens" not in options and (probe or (probe is None and dev.type == "cuda")))
         if sized:

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from serve_app import offline
+from serve_app.offline.cli import parser
 from serve_app.offline.score import ScoreStage, process_started_at
 from serve_app.offline.sizing import HEADROOM, Sample, stage_tasks, take_sample
 from serve_app.offline.summary import PIECES, format_summary, startup
@@ -103,6 +104,25 @@ def test_throughput_probe_sizes_the_fast_backend_and_measures_every_budget(tiny_
         lat.close()
     with pytest.raises(ValueError, match="budget_goal"):
         Scorer(tiny_checkpoint, backend="eager", device="cpu", budget_goal="fast")
+
+
+def test_cuda_graphs_reach_the_fast_backend_and_only_it(tiny_checkpoint):
+    """`cuda_graphs` becomes the fast backend's `use_graphs` (graphs on a CPU device are refused, which shows the
+    value arrived); a backend without graphs ignores it; the offline job asks for none unless --cuda-graphs."""
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
+        Scorer(tiny_checkpoint, backend="fast", device="cpu", backend_options={"ops": "torch"}, warmup=False,
+               cuda_graphs=True)
+    s = Scorer(tiny_checkpoint, backend="fast", device="cpu", backend_options={"ops": "torch"}, warmup=False,
+               cuda_graphs=False)
+    try:
+        assert s.engine.backend.engine.use_graphs is False
+    finally:
+        s.close()
+    e = Scorer(tiny_checkpoint, backend="eager", device="cpu", warmup=False, cuda_graphs=True)
+    e.close()
+    base = ["--input", "x", "--output", "y", "--questions", "q", "--state-column", "s", "--checkpoint", "c"]
+    assert parser().parse_args(base).cuda_graphs is False
+    assert parser().parse_args(base + ["--cuda-graphs"]).cuda_graphs is True
 
 
 def test_stage_tasks_from_the_forward_rate():

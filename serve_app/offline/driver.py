@@ -190,7 +190,8 @@ def plan_actors(cfg: OfflineConfig, sample: Sample | None = None) -> dict:
     # an offline scorer measures its budget for throughput, on rows of the job's own lengths
     options = {"backend": cfg.backend, "device": None if n_gpus else "cpu", "cache_dir": cfg.cache_dir,
                "max_batch_tokens": cfg.max_batch_tokens, "max_batch_rows": cfg.max_batch_rows, "warmup": True,
-               "budget_goal": "throughput", "probe_lengths": sample.row_lengths if sample else None}
+               "budget_goal": "throughput", "probe_lengths": sample.row_lengths if sample else None,
+               "cuda_graphs": cfg.cuda_graphs}
     stages = stage_tasks(n_actors, n_gpus > 0, sample, cpus, cfg.cpus_per_actor, cfg.tokenize_tasks,
                          cfg.decode_tasks)
     return {"n_actors": n_actors, "num_gpus": 1 if n_gpus else 0, "num_cpus": cfg.cpus_per_actor,
