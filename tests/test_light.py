@@ -48,6 +48,9 @@ def test_fast_forward_from_the_light_model_equals_the_full_model(bundle, rows):
     light = load_fast_model(bundle)
     assert light is not None and getattr(light, "weights_only", False)
     assert not isinstance(light.encoder, torch.nn.Module)
+    # the encoder keeps the checkpoint's dtype (fp16 here): the fast backend converts on its device
+    assert {light.encoder.layers[0].attn.Wqkv.weight.dtype, light.encoder.embeddings.norm.weight.dtype} == {
+        torch.float16}
     full = make_backend(load_model(bundle), bundle, torch.device("cpu"), ops="torch", max_batch_tokens=4096)
     fast = make_backend(light, bundle, torch.device("cpu"), ops="torch", max_batch_tokens=4096)
     a, b = full.forward(rows), fast.forward(rows)

@@ -121,7 +121,9 @@ def load_fast_model(bundle: Bundle) -> torch.nn.Module | None:
     model.load_state_dict({k: v for k, v in weights.items() if not k.startswith(ENC)}, strict=True)
     model = model.float().eval().requires_grad_(False)
     del model.encoder
-    enc = _tree({k: v.float() for k, v in weights.items() if k.startswith(ENC)}, ENC)
+    # the checkpoint's dtype: DeviceWeights converts on the device (a host-side fp32 copy of a large encoder
+    # cost a second of CPU and twice the bytes to copy)
+    enc = _tree({k: v for k, v in weights.items() if k.startswith(ENC)}, ENC)
     enc.config = ecfg
     enc.rotary_emb = WeightTree(**{"%s_inv_freq" % lt: inv for lt, (inv, _) in rope.items()},
                                 **{"%s_attention_scaling" % lt: s for lt, (_, s) in rope.items()})
@@ -171,14 +173,14 @@ class DeviceWeights:
         self.max_positions = max(self.max_len, positions)
         window = getattr(cfg, "sliding_window", None) or int(cfg.local_attention) // 2
 
-        def w(t: torch.Tensor) -> torch.Tensor:
-            return t.detach().to(device=dev, dtype=adt).contiguous()
+        def w(t: torch.Tensor) -> torch.Tensor:   # copied in the checkpoint's dtype, converted on the device
+            return t.detach().to(dev).to(adt).contiguous()
 
         def e(t: torch.Tensor) -> Any:   # an encoder GEMM weight: e4m3 with per-channel scales under fp8
             return _fp8.quantize_weight(t.detach().to(dev)) if self.fp8 else w(t)
 
         def f(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.detach().to(device=dev, dtype=torch.float32).contiguous()
+            return None if t is None else t.detach().to(dev).float().contiguous()
 
         emb = enc.embeddings
         self.emb = f(emb.tok_embeddings.weight)
