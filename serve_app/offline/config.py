@@ -65,9 +65,8 @@ class OfflineConfig:
                                         "job so the scorer actors' forward is kept fed)", type=int)
     decode_tasks: int | None = option(None, "concurrent decode tasks (default: sized like --tokenize-tasks)",
                                       type=int)
-    cuda_graphs: bool = option(False, "capture the fast backend's CUDA graphs at start-up (several seconds; an "
-                               "offline chunk holds enough tokens that its kernel launches do not count)",
-                               action="store_true")
+    cuda_graphs: bool = option(False, "capture the fast backend's CUDA graph per token bucket at start-up, as a "
+                               "Serve replica does (several seconds of warm-up)", action="store_true")
     cache_dir: str | None = option(None, "compile/kernel cache root shared with Serve replicas")
     max_len: int | None = option(None, "token budget per row (default: the checkpoint's)", type=int)
     head_max_len: int | None = option(None, "tokens for question + options (default: the checkpoint's)", type=int)
