@@ -185,6 +185,24 @@ def clean(cluster, data, tiny_checkpoint):
     return {"out": str(out), "summary": summary, "tables": outputs(out)}
 
 
+def test_cuda_graphs_on_cpu_actors_is_warned_not_ignored(cluster, caplog):
+    """--cuda-graphs with CPU scorer actors (or a backend without graphs) cannot take effect: the plan carries
+    it to the scorers and the driver says it does nothing here."""
+    from serve_app.offline.driver import plan_actors
+
+    cfg = offline.OfflineConfig(input=["x"], output="y", questions="q", state_column="s", checkpoint="c",
+                                num_gpus=0, cuda_graphs=True)
+    with caplog.at_level("WARNING", logger="serve_app.offline"):
+        plan = plan_actors(cfg)
+    assert plan["scorer_options"]["cuda_graphs"] is True
+    assert "--cuda-graphs has no effect here" in caplog.text and "0 GPUs" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="serve_app.offline"):
+        assert plan_actors(offline.OfflineConfig(**{**cfg.__dict__, "cuda_graphs": False}))[
+            "scorer_options"]["cuda_graphs"] is False
+    assert "--cuda-graphs" not in caplog.text
+
+
 @pytest.mark.usefixtures("one_thread")
 def test_end_to_end_on_gpu_actors(cluster, data, tiny_checkpoint, engine):
     """Two 'GPU' scorer actors, token-budget batches: rows out == rows in, bad rows carry the reason,

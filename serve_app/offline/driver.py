@@ -187,6 +187,9 @@ def plan_actors(cfg: OfflineConfig, sample: Sample | None = None) -> dict:
     if n_actors * cfg.cpus_per_actor > cpus - 1:
         raise ConfigError("%d scorer actors x %g CPUs leave no CPU of the cluster's %g for tokenizing and "
                           "decoding; lower --num-actors / --cpus-per-actor" % (n_actors, cfg.cpus_per_actor, cpus))
+    if cfg.cuda_graphs and (not n_gpus or cfg.backend not in ("auto", "fast")):
+        log.warning("--cuda-graphs has no effect here: only the fast backend on GPU actors captures graphs "
+                    "(this job: %s backend, %d GPUs)", cfg.backend, n_gpus)
     # an offline scorer measures its budget for throughput, on rows of the job's own lengths
     options = {"backend": cfg.backend, "device": None if n_gpus else "cpu", "cache_dir": cfg.cache_dir,
                "max_batch_tokens": cfg.max_batch_tokens, "max_batch_rows": cfg.max_batch_rows, "warmup": True,
