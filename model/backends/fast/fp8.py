@@ -129,10 +129,11 @@ def ws_product(q: tuple[torch.Tensor, torch.Tensor], w: Fp8Weight, out: torch.Te
     kern = _gm.gemm_manual_kernel(N, K, cfg, bias is not None, "none", rope[0] if rope else 0, geglu, out.dtype,
                                   fp8=True)
     sa, sb = q[1].view(-1), w.scale.view(-1)
-    b = bias if bias is not None else zero[:N]
-    if geglu:
+    if geglu:   # Wi has no bias in ModernBERT: the GeGLU kernel takes none
         kern(q[0], w.q, out, sa, sb)
-    elif rope:
+        return out
+    b = bias if bias is not None else zero[:N]
+    if rope:
         kern(q[0], w.q, b, out, *rope[1:], sa, sb)
     else:
         kern(q[0], w.q, b, out, sa, sb)
