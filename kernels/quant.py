@@ -46,7 +46,10 @@ def fits(K: int, cfg: QuantConfig = DEFAULT) -> bool:
 def quant_rows_ref(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference: (e4m3 [M, K], scales [M] fp32)."""
     a = a.float()
-    s = a.abs().amax(dim=1).clamp(min=MIN_AMAX) / E4M3_MAX
+    # a tensor divisor: torch turns division by a Python number into a product with its rounded reciprocal on
+    # CUDA, one ulp off the kernel's (and IEEE's) quotient often enough to move a rounding tie
+    amax = a.abs().amax(dim=1).clamp(min=MIN_AMAX)
+    s = amax / torch.full_like(amax, E4M3_MAX)
     return (a / s[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), s
 
 
