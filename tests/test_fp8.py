@@ -71,6 +71,24 @@ def test_the_scaled_gemm_is_the_product_of_the_dequantised_operands():
     assert fp8.gemm((qg, sg), w2, out=out) is out and torch.equal(out, fp8.matmul((qg, sg), w2))
 
 
+def test_the_fp32_form_of_the_scaled_gemm_equals_scaled_mm_and_stands_in_where_cpu_takes_no_row_scales(monkeypatch):
+    """torch 2.11's CPU `_scaled_mm` takes one scale a tensor: there the product runs as fp32 ops, the same sums in
+    another order; the bf16 results agree with `_scaled_mm` where that takes scale vectors (torch 2.13 on CPU)."""
+    a = _rows_of_many_ranges(1)[:48]
+    w = fp8.quantize_weight(torch.randn(80, 256, generator=torch.Generator().manual_seed(2))
+                            * torch.logspace(-2, 2, 80).unsqueeze(1))
+    q = fp8.quantize_rows(a)
+    ours = fp8.dequantised_product(q, w)
+    assert ours.dtype == torch.bfloat16 and ours.shape == (48, 80)
+    if fp8.cpu_takes_row_scales():
+        ref = torch._scaled_mm(q[0], w.q.t(), scale_a=q[1], scale_b=w.scale, out_dtype=torch.bfloat16)
+        torch.testing.assert_close(ours.float(), ref.float(), rtol=2.0 ** -7, atol=1e-6 * ref.abs().max().item())
+    monkeypatch.setattr(fp8, "_cpu_rowwise", False)
+    assert torch.equal(fp8.matmul(q, w), ours)
+    out = torch.empty(48, 80, dtype=torch.bfloat16)
+    assert fp8.gemm(q, w, out=out) is out and torch.equal(out, ours)
+
+
 @pytest.fixture(scope="module")
 def fp8_forward(bundle, rows):
     fast = make_backend(load_model(bundle), bundle, torch.device("cpu"), ops="torch", fp8=True)

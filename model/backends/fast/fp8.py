@@ -1,15 +1,15 @@
 """The fast forward's FP8 precision (opt-in): the encoder's four GEMMs a layer in e4m3 with fp32 accumulation.
 
-Scaling: each weight row (output channel) by its own absolute maximum, fixed at load; each activation row (token)
-by its own, measured as the row is quantised. The norms that feed the GEMMs write e4m3 rows and their scales
-(kernels/layernorm.py); attention's and the GeGLU's outputs go through kernels/quant.py. On Hopper, for more
-than small_m rows, the products run on kernels/gemm_manual.py's hand-warp-specialised kernels with e4m3 operands
-(scales applied to the accumulator, Wqkv's RoPE and Wi's GeGLU in the epilogue); otherwise on
-`torch._scaled_mm` with the two scale vectors (cuBLASLt's FP8 GEMM on sm_89+; the same call runs on CPU, where
-the tests check the numerics), whose GeGLU then comes from the whole Wi product in the quantisation pass. With
-torch ops every step has its reference form. Everything else stays as in bf16: the fp32 residual stream,
-attention and its softmax, the decision head and scorer (whose GEMMs are a sliver of the FLOPs and whose outputs
-are the answers).
+Scaling: each weight row (output channel) by its own absolute maximum, fixed at load; each activation row (token) by
+its own, measured as the row is quantised. The norms that feed the GEMMs write e4m3 rows and their scales
+(kernels/layernorm.py); attention's and the GeGLU's outputs go through kernels/quant.py. On Hopper, for more than
+small_m rows, the products run on kernels/gemm_manual.py's hand-warp-specialised kernels with e4m3 operands (scales
+applied to the accumulator, Wqkv's RoPE and Wi's GeGLU in the epilogue); otherwise on `torch._scaled_mm` with the
+two scale vectors (cuBLASLt's FP8 GEMM on sm_89+; the same call runs on CPU, where the tests check the numerics, or
+the same product in fp32 ops where the CPU call takes no scale vectors), whose GeGLU then comes from the whole Wi
+product in the quantisation pass. With torch ops every step has its reference form. Everything else stays as in
+bf16: the fp32 residual stream, attention and its softmax, the decision head and scorer (whose GEMMs are a sliver of
+the FLOPs and whose outputs are the answers).
 
 Per-token activation scales follow the rows' own range (one large token does not flatten the others' resolution)
 and per-channel weight scales each output column's; e4m3 keeps 3 mantissa bits, so a product's relative error is
@@ -114,7 +114,33 @@ def add_ln(x: torch.Tensor, r: torch.Tensor | None, w: torch.Tensor, b: torch.Te
     return q, s.view(-1, 1)
 
 
+def dequantised_product(q: tuple[torch.Tensor, torch.Tensor], w: Fp8Weight) -> torch.Tensor:
+    """The scaled product in fp32 torch ops, rounded to bf16: e4m3 x e4m3 products are exact in fp32, so only the
+    summation order differs from `torch._scaled_mm`."""
+    return ((q[0].float() @ w.q.float().t()) * q[1] * w.scale).bfloat16()
+
+
+_cpu_rowwise: bool | None = None
+
+
+def cpu_takes_row_scales() -> bool:
+    """Whether this torch's CPU `_scaled_mm` takes per-row and per-channel scales (torch 2.11's takes one scale a
+    tensor and fails an internal assert on vectors). Probed once."""
+    global _cpu_rowwise
+    if _cpu_rowwise is None:
+        a = torch.ones(16, 16, dtype=E4M3)
+        try:
+            torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.bfloat16)
+            _cpu_rowwise = True
+        except RuntimeError:
+            _cpu_rowwise = False
+    return _cpu_rowwise
+
+
 def _scaled(q: tuple[torch.Tensor, torch.Tensor], w: Fp8Weight, out: torch.Tensor | None = None) -> torch.Tensor:
+    if q[0].device.type == "cpu" and not cpu_takes_row_scales():
+        y = dequantised_product(q, w)
+        return y if out is None else out.copy_(y)
     return torch._scaled_mm(q[0], w.q.t(), scale_a=q[1], scale_b=w.scale, out_dtype=torch.bfloat16, out=out)
 
 
@@ -178,4 +204,5 @@ def geglu(a: torch.Tensor | tuple, wi: Fp8Weight, impl: str = "torch", geglu_imp
 
 
 __all__ = ["Fp8Weight", "E4M3_MAX", "kernel_specs", "check_device", "quantize_weight", "quantize_rows", "ws_product",
+           "dequantised_product", "cpu_takes_row_scales",
            "matmul", "gemm", "geglu"]
