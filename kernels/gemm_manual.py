@@ -126,7 +126,8 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
 
     fp8: A and W are e4m3 (C stays `dtype`) and every form takes two more arguments last, SA[M] f32 and SB[N] f32
     (SB[2N] for GeGLU): the products are dequantised by row and column scale, C[i, j] = act(SA[i] * SB[j] *
-    (A[i] . W[j]) + Bias[j]), before anything else in the epilogue (kernels/quant.py makes A and SA)."""
+    (A[i] . W[j]) + Bias[j]), before anything else in the epilogue (kernels/quant.py makes A and SA); the GeGLU form
+    rounds both dequantised halves to `dtype` first, as the bf16 Wi product of `torch._scaled_mm` is."""
     from .gemm import ACTS, apply_act
 
     wt, ab = 2 if geglu else 1, 1 if fp8 else 2
@@ -333,9 +334,13 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
             for i, j in T.Parallel(hm, bn):
                 C_l[i, j] = C_l[i, j] * SA[T.min(by * bm + grp * hm + i, M - 1)] * SB[T.min(bx * bn + j, N - 1)]
             if geglu:
+                # the two halves rounded to C's dtype before the GeGLU, as `torch._scaled_mm` returns the Wi product
+                # to the other FP8 paths (kernels/quant.py's `geglu_quant`): one GeGLU for every path
                 for i, j in T.Parallel(hm, bn):
-                    Cx_l[i, j] = Cx_l[i, j] * SA[T.min(by * bm + grp * hm + i, M - 1)] * \
-                        SB[N + T.min(bx * bn + j, N - 1)]
+                    C_l[i, j] = T.Cast(F32, T.Cast(DT, C_l[i, j]))
+                for i, j in T.Parallel(hm, bn):
+                    Cx_l[i, j] = T.Cast(F32, T.Cast(DT, Cx_l[i, j] * SA[T.min(by * bm + grp * hm + i, M - 1)] *
+                                                    SB[N + T.min(bx * bn + j, N - 1)]))
         epilogue(C, Bias, C_l, Cx_l, Cg_s, Cs_l, Sn_l, Xr_l, by, bx, grp)
 
     @T.macro

@@ -1,8 +1,9 @@
 """Per-row (per-token) FP8 quantisation for the FP8 precision's GEMM inputs, one pass over the activations.
 
 `quant_rows`: A[M, K] (bf16 / fp16) -> Q[M, K] e4m3 and S[M] fp32 with A[i] ~ Q[i] * S[i], S[i] = max|A[i]| / 448.
-`geglu_quant`: P[M, 2F] (the Wi product, bf16) -> ModernBERT's GeGLU gelu(P[:, :F]) * P[:, F:] in fp32, quantised
-the same way, so the GeGLU output never goes through memory in 16 bits.
+`geglu_quant`: P[M, 2F] (the Wi product, bf16) -> ModernBERT's GeGLU gelu(P[:, :F]) * P[:, F:] in fp32, rounded to
+P's dtype and quantised the same way: the rounding point of the e4m3 GeGLU GEMM's epilogue (kernels/gemm_manual.py,
+which rounds the scaled Wi product and stores the GeGLU in 16 bits), so both FP8 GeGLU paths quantise one tensor.
 
 A block owns bm rows and walks them in bk-column chunks twice: the first keeps each thread's running absolute
 maximum and reduces it over the row once at the end, the second (its reads mostly served by L2) divides, clamps to
@@ -54,14 +55,15 @@ def quant_rows_ref(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def geglu_quant_ref(p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference: the GeGLU of P[M, 2F] in fp32, quantised per row."""
+    """Reference: the GeGLU of P[M, 2F] in fp32, rounded to P's dtype where that is 16-bit, quantised per row."""
     x, gate = p.float().chunk(2, -1)
-    return quant_rows_ref(torch.nn.functional.gelu(x) * gate)
+    h = torch.nn.functional.gelu(x) * gate
+    return quant_rows_ref(h.to(p.dtype) if p.dtype in (torch.bfloat16, torch.float16) else h)
 
 
 def build_quant(K: int, geglu: bool = False, in_dtype: str = _tl.BF16, cfg: QuantConfig = DEFAULT):
     """The TileLang PrimFunc main(A[M, K or 2K] in_dtype, Q[M, K] e4m3, S[M] f32); geglu: A is the Wi product and
-    row i of what is quantised is gelu(A[i, :K]) * A[i, K:]."""
+    row i of what is quantised is gelu(A[i, :K]) * A[i, K:], rounded to in_dtype."""
     if K % cfg.bk:
         raise ValueError("K = %d must be a multiple of the chunk width %d" % (K, cfg.bk))
     _, T = _tl.tl()
@@ -71,12 +73,12 @@ def build_quant(K: int, geglu: bool = False, in_dtype: str = _tl.BF16, cfg: Quan
     width = 2 * K if geglu else K
 
     @T.macro
-    def load(A, x, g, bx, k):   # chunk k of rows bx * bm.. into x, as fp32 (their GeGLU for geglu)
+    def load(A, x, g, bx, k):   # chunk k of rows bx * bm.. into x, as fp32 (their GeGLU, rounded to in_dtype)
         T.copy(A[bx * bm, k * bk], x)
         if geglu:
             T.copy(A[bx * bm, K + k * bk], g)
             for i, j in T.Parallel(bm, bk):
-                x[i, j] = 0.5 * x[i, j] * (1.0 + T.erf(x[i, j] * INV_SQRT2)) * g[i, j]
+                x[i, j] = T.Cast(F32, T.Cast(in_dtype, 0.5 * x[i, j] * (1.0 + T.erf(x[i, j] * INV_SQRT2)) * g[i, j]))
 
     @T.prim_func
     def main(A: T.Tensor((M, width), in_dtype), Q: T.Tensor((M, K), FP8), S: T.Tensor((M,), F32)):

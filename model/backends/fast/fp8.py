@@ -195,8 +195,10 @@ def gemm(a: torch.Tensor | tuple, w: Fp8Weight, bias: torch.Tensor | None = None
 def geglu(a: torch.Tensor | tuple, wi: Fp8Weight, impl: str = "torch", geglu_impl: str = "torch", ws=None,
           out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """ModernBERT's GeGLU gelu(a @ Wi[:F]^T) * (a @ Wi[F:]^T) with the product in FP8, returned quantised per row
-    for the next GEMM: (e4m3 [M, F], scales [M, 1]). impl quantises `a`, geglu_impl the GeGLU. With a
-    hand-warp-specialised config `ws`, the kernel's GeGLU epilogue writes it to bf16 `out` [M, F] first."""
+    for the next GEMM: (e4m3 [M, F], scales [M, 1]). impl quantises `a`, geglu_impl the GeGLU. Every path computes
+    one tensor: the Wi product rounded to bf16, its GeGLU in fp32 rounded to bf16, then quantised. With a
+    hand-warp-specialised config `ws`, the kernel's GeGLU epilogue (halves rounded first) writes it to bf16 `out`
+    [M, F]; otherwise `quant.geglu_quant_ref` or its kernel round it in registers."""
     if ws is not None and out is not None:
         q = a if isinstance(a, tuple) else quantize_rows(a, impl)
         return quantize_rows(ws_product(q, wi, out, ws, geglu=True), geglu_impl)
