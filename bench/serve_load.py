@@ -613,6 +613,10 @@ def fused_stats(urls: list[str], headers: dict | None) -> dict | None:
     out["mean_queue_wait_ms"] = (sum(p.get("mean_queue_wait_ms", 0.0) * p["requests"] for p in parts)
                                  / max(1, out["requests"]))
     out["replicas"] = len(parts)
+    gcs = [p["gc"] for p in parts if "gc" in p]  # each replica's process (the fused scorer's own)
+    if len(gcs) == len(parts):
+        out["gc"] = {"collections": [sum(g["collections"][i] for g in gcs) for i in range(3)],
+                     "seconds": [sum(g["seconds"][i] for g in gcs) for i in range(3)]}
     return out
 
 
@@ -626,7 +630,12 @@ def batching_delta(before: dict | None, after: dict | None, seconds: float) -> d
     eng = after.get("engine_s", 0.0) - before.get("engine_s", 0.0)
     waited = (after.get("mean_queue_wait_ms", 0.0) * after["requests"]
               - before.get("mean_queue_wait_ms", 0.0) * before["requests"])
-    return {"batches": batches, "requests": reqs, "requests_per_batch": round(reqs / max(1, batches), 2),
+    gc = {}
+    if "gc" in before and "gc" in after:  # Python's collections in the replicas during the level (gc_pauses.py)
+        b, a = before["gc"], after["gc"]
+        gc = {"gc_collections": [a["collections"][i] - b["collections"][i] for i in range(3)],
+              "gc_ms": [round(1000.0 * (a["seconds"][i] - b["seconds"][i]), 2) for i in range(3)]}
+    return {**gc, "batches": batches, "requests": reqs, "requests_per_batch": round(reqs / max(1, batches), 2),
             "replicas": after.get("replicas", 1),
             "forward_ms_per_batch": round(1000.0 * fwd / max(1, batches), 3),
             "forward_busy": round(fwd / max(seconds, 1e-9), 3),
@@ -685,6 +694,8 @@ def print_row(name: str, r: dict) -> None:
             sc["requests_per_batch"], sc["forward_ms_per_batch"], sc["engine_ms_per_batch"],
             100 * sc["forward_busy"], " (sum of %d)" % sc["replicas"] if sc.get("replicas", 1) > 1 else "",
             sc["queue_wait_ms"])
+        if "gc_collections" in sc:
+            cpu += ", gc2 %d (%.0f ms)" % (sc["gc_collections"][2], sc["gc_ms"][2])
     if "scorer_call_ms" in r:
         cpu += "  call/outside p50 %.1f/%.1f ms" % (r["scorer_call_ms"]["p50"], r["outside_call_ms"]["p50"])
     print("%-20s %7d %8d %9.1f %9.1f %9.1f %9.1f  %s  %s" % (name, r["clients"], r["requests"], r["rps"], r["p50_ms"],

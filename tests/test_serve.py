@@ -311,6 +311,10 @@ def test_stats_needs_the_bearer_and_counts_requests_and_scorer_calls(app):
     assert ing["requests"] - before["ingress"]["requests"] == 12
     assert 1 <= ing["scorer_calls"] - before["ingress"]["scorer_calls"] <= 12
     assert ing["waiting"] == 0 and ing["inflight"] == 0
+    # both replicas' start-up objects frozen (Ray Serve does it after a replica's start-up) and their
+    # collections counted since (gc_pauses.py)
+    for g in (after["gc"], ing["gc"]):
+        assert g["frozen"] > 10000 and len(g["collections"]) == len(g["seconds"]) == len(g["max_ms"]) == 3
     # the Serve request path configs/local.yaml's runtime_env asks for reached the replica (as in prod.yaml)
     assert ing["ray_serve"] == {"grpc_between_deployments": True, "user_code_on_replica_loop": True,
                                 "router_on_replica_loop": True, "direct_ingress": False}

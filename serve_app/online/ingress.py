@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from model.codec import Codec
 
-from . import metrics, ray_compat
+from . import gc_pauses, metrics, ray_compat
 from .answering import Answering
 from .auth import BearerAuth
 from .checkpoints import deployment_name
@@ -160,6 +160,7 @@ class Ingress:
         warm_s = time.perf_counter() - t0
         self._gauges = metrics.Refresher(lambda: self._m["laya_fleet_ingress_warmup_seconds"].set(warm_s))
         self._m["laya_fleet_ingress_warmup_seconds"].set(warm_s)
+        gc_pauses.watch()
         log.info("ingress ready in %.2fs (checkpoints %s, auth %s)", time.perf_counter() - t0, list(served),
                  self.auth.source or "off")
 
@@ -285,7 +286,7 @@ class Ingress:
         routes."""
         self.auth.require(request)
         out = await self._ask_scorer(self.scorer.stats)
-        out["ingress"] = dict(self._call_counters(), ray_serve=serve_request_path())
+        out["ingress"] = dict(self._call_counters(), ray_serve=serve_request_path(), gc=gc_pauses.watch().snapshot())
         return out
 
     @app.get("/info", summary="What this service runs: checkpoints, backend, precision, limits, batching, versions",

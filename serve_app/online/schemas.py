@@ -262,12 +262,22 @@ class ReadyResponse(BaseModel):
     budget: int | None = Field(None, description="the answering scorer replica's token budget")
 
 
+class GcCounters(BaseModel):
+    """Python's collections in one replica process since it started serving (serve_app/online/gc_pauses.py)."""
+
+    collections: list[int] = Field(description="collections of generations 0, 1, 2")
+    seconds: list[float] = Field(description="seconds they took, per generation (the GIL held throughout)")
+    max_ms: list[float] = Field(description="the longest of each generation, ms")
+    frozen: int = Field(description="objects in the permanent generation (start-up's: Ray Serve freezes them)")
+
+
 class IngressCounters(BaseModel):
     scorer_calls: int
     requests: int = Field(description="requests those scorer calls carried (coalescing)")
     waiting: int
     inflight: int
     ray_serve: dict[str, bool] = Field(description="how Ray Serve runs this replica's request path")
+    gc: GcCounters
 
 
 class StatsResponse(BaseModel):
@@ -287,6 +297,7 @@ class StatsResponse(BaseModel):
     engine_s: float
     budget: int
     oom_retries: int
+    gc: GcCounters = Field(description="the scorer replica's process (the ingress's own in the fused topology)")
     ingress: IngressCounters
 
 

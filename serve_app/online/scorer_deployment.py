@@ -22,7 +22,7 @@ from ray import serve
 from model.sequence import Row
 
 from ..scorer import MIN_BUDGET, Scorer, is_oom, select_device
-from . import metrics, ray_compat
+from . import gc_pauses, metrics, ray_compat
 from .batch_queue import BatchRecord, TokenBatcher
 
 log = logging.getLogger(__name__)
@@ -130,6 +130,7 @@ class ScorerDeployment:
         self.ready_s = time.perf_counter() - t0
         self._set_gauges()
         self._gauges = metrics.Refresher(self._set_gauges)
+        gc_pauses.watch()
         log.info("scorer replica ready in %.1fs on %s (CUDA_VISIBLE_DEVICES=%s)", self.ready_s, self.scorer.device,
                  os.environ.get("CUDA_VISIBLE_DEVICES"))
 
@@ -242,7 +243,8 @@ class ScorerDeployment:
                     # forward_s: batches as the event loop waited for them (thread hand-off and wake-up included);
                     # engine_s: the model calls alone, on the forward thread. The gap is time lost between them.
                     forward_s=round(self._forward_s_sum, 6), engine_s=round(self.scorer.stats.forward_s, 6),
-                    budget=self.scorer.budget, oom_retries=self.scorer.stats.oom_retries)
+                    budget=self.scorer.budget, oom_retries=self.scorer.stats.oom_retries,
+                    gc=gc_pauses.watch().snapshot())
 
     def info(self) -> dict[str, Any]:
         """This replica: scorer facts (backend, device, checkpoint name and content hash, dtype, token lengths),
