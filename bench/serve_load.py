@@ -613,6 +613,9 @@ def fused_stats(urls: list[str], headers: dict | None) -> dict | None:
     out["mean_queue_wait_ms"] = (sum(p.get("mean_queue_wait_ms", 0.0) * p["requests"] for p in parts)
                                  / max(1, out["requests"]))
     out["replicas"] = len(parts)
+    locks = [p["gpu_lock"] for p in parts if p.get("gpu_lock")]  # replicas sharing a GPU take turns on it
+    if locks:
+        out["gpu_lock"] = {k: sum(lk[k] for lk in locks) for k in ("acquisitions", "waits", "wait_s", "held_s")}
     gcs = [p["gc"] for p in parts if "gc" in p]  # each replica's process (the fused scorer's own)
     if len(gcs) == len(parts):
         out["gc"] = {"collections": [sum(g["collections"][i] for g in gcs) for i in range(3)],
@@ -630,12 +633,18 @@ def batching_delta(before: dict | None, after: dict | None, seconds: float) -> d
     eng = after.get("engine_s", 0.0) - before.get("engine_s", 0.0)
     waited = (after.get("mean_queue_wait_ms", 0.0) * after["requests"]
               - before.get("mean_queue_wait_ms", 0.0) * before["requests"])
-    gc = {}
+    extra = {}
+    if before.get("gpu_lock") and after.get("gpu_lock"):  # the GPU lock's holds during the level, all replicas
+        b, a = before["gpu_lock"], after["gpu_lock"]
+        holds = a["acquisitions"] - b["acquisitions"]
+        extra = {"lock_held": round((a["held_s"] - b["held_s"]) / max(seconds, 1e-9), 3),
+              "lock_ms_per_hold": round(1000.0 * (a["held_s"] - b["held_s"]) / max(1, holds), 3),
+              "lock_wait_ms_per_hold": round(1000.0 * (a["wait_s"] - b["wait_s"]) / max(1, holds), 3)}
     if "gc" in before and "gc" in after:  # Python's collections in the replicas during the level (gc_pauses.py)
         b, a = before["gc"], after["gc"]
-        gc = {"gc_collections": [a["collections"][i] - b["collections"][i] for i in range(3)],
-              "gc_ms": [round(1000.0 * (a["seconds"][i] - b["seconds"][i]), 2) for i in range(3)]}
-    return {**gc, "batches": batches, "requests": reqs, "requests_per_batch": round(reqs / max(1, batches), 2),
+        extra.update(gc_collections=[a["collections"][i] - b["collections"][i] for i in range(3)],
+                  gc_ms=[round(1000.0 * (a["seconds"][i] - b["seconds"][i]), 2) for i in range(3)])
+    return {**extra, "batches": batches, "requests": reqs, "requests_per_batch": round(reqs / max(1, batches), 2),
             "replicas": after.get("replicas", 1),
             "forward_ms_per_batch": round(1000.0 * fwd / max(1, batches), 3),
             "forward_busy": round(fwd / max(seconds, 1e-9), 3),
@@ -694,6 +703,9 @@ def print_row(name: str, r: dict) -> None:
             sc["requests_per_batch"], sc["forward_ms_per_batch"], sc["engine_ms_per_batch"],
             100 * sc["forward_busy"], " (sum of %d)" % sc["replicas"] if sc.get("replicas", 1) > 1 else "",
             sc["queue_wait_ms"])
+        if "lock_held" in sc:
+            cpu += ", GPU lock held %.0f%% (%.2f ms a hold, %.2f ms waited)" % (
+                100 * sc["lock_held"], sc["lock_ms_per_hold"], sc["lock_wait_ms_per_hold"])
         if "gc_collections" in sc:
             cpu += ", gc2 %d (%.0f ms)" % (sc["gc_collections"][2], sc["gc_ms"][2])
     if "scorer_call_ms" in r:

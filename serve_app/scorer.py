@@ -184,12 +184,19 @@ class Scorer:
         """The backend's cross-process GPU lock (model/backends/gpu_lock.py), or None when it has none."""
         return getattr(getattr(self.engine.backend, "engine", None), "gpu_lock", None)
 
-    def info(self) -> dict[str, Any]:
-        """What this scorer is: backend, device, budget, timings, counters, visible GPUs, GPU lock waits."""
+    def gpu_lock_counts(self) -> dict[str, Any] | None:
+        """The GPU lock's file and this process's counters: acquisitions, waits (acquisitions that found another
+        process holding it), seconds waited and seconds held; None without a lock."""
         lock = self.gpu_lock
+        if lock is None:
+            return None
+        return {"path": lock.path, "acquisitions": lock.acquisitions, "waits": lock.waits,
+                "wait_s": round(lock.wait_s, 6), "held_s": round(lock.held_s, 6)}
+
+    def info(self) -> dict[str, Any]:
+        """What this scorer is: backend, device, budget, timings, counters, visible GPUs, GPU lock counters."""
         return {"backend": self.engine.backend_name, "device": self.device, "budget": self.budget,
-                "gpu_lock": None if lock is None else {"path": lock.path, "waits": lock.waits,
-                                                       "wait_s": round(lock.wait_s, 3)},
+                "gpu_lock": self.gpu_lock_counts(),
                 "budget_goal": self.budget_goal, "load_s": round(self.load_s, 3), "ready_s": round(self.ready_s, 3),
                 "startup": {k: None if v is None else round(v, 3) for k, v in self.timings.items()},
                 "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "pid": os.getpid(),

@@ -241,3 +241,17 @@ def test_on_cuda_the_lock_goes_back_when_the_forward_event_completes(tmp_path):
 def test_the_fast_backend_refuses_a_gpu_lock_that_is_not_one(bundle):
     with pytest.raises(ValueError, match="gpu_lock"):
         make_backend(load_model(bundle), bundle, torch.device("cpu"), ops="torch", gpu_lock="on")
+
+
+def test_the_lock_counts_its_outermost_holds_and_the_time_they_lasted(tmp_path):
+    lock = GpuLock(str(tmp_path / "gpu.lock"))
+    with lock:
+        with lock:   # an inner level is not another hold
+            time.sleep(0.05)
+        assert lock.acquisitions == 1 and lock.held_s == 0.0   # counted when the hold ends
+    assert lock.acquisitions == 1 and 0.05 <= lock.held_s < 1.0
+    with lock:
+        pass
+    assert lock.acquisitions == 2 and lock.held_s < 1.0
+    lock.close()
+

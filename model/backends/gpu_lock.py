@@ -51,6 +51,8 @@ class GpuLock:
         self.held_since: float | None = None   # time.monotonic() when this process took the lock; None if not held
         self.waits = 0                         # acquisitions that found another process holding it
         self.wait_s = 0.0                      # seconds spent waiting for it
+        self.acquisitions = 0                  # times this process took it (outermost level)
+        self.held_s = 0.0                      # seconds this process held it, released holds only
 
     def _open(self) -> int:
         if self._fd is None:
@@ -78,6 +80,7 @@ class GpuLock:
             self.waits += 1
             self.wait_s += time.monotonic() - t
         self._count = 1
+        self.acquisitions += 1
         self.held_since = time.monotonic()
         return True
 
@@ -88,6 +91,8 @@ class GpuLock:
                 raise RuntimeError("GpuLock.release() without a matching acquire()")
             self._count -= 1
             if not self._count:
+                if self.held_since is not None:
+                    self.held_s += time.monotonic() - self.held_since
                 self.held_since = None
                 fcntl.flock(self._fd, fcntl.LOCK_UN)
 

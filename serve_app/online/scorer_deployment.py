@@ -244,7 +244,7 @@ class ScorerDeployment:
                     # engine_s: the model calls alone, on the forward thread. The gap is time lost between them.
                     forward_s=round(self._forward_s_sum, 6), engine_s=round(self.scorer.stats.forward_s, 6),
                     budget=self.scorer.budget, oom_retries=self.scorer.stats.oom_retries,
-                    gc=gc_pauses.watch().snapshot())
+                    gc=gc_pauses.watch().snapshot(), gpu_lock=self.scorer.gpu_lock_counts())
 
     def info(self) -> dict[str, Any]:
         """This replica: scorer facts (backend, device, checkpoint name and content hash, dtype, token lengths),
