@@ -638,12 +638,12 @@ def batching_delta(before: dict | None, after: dict | None, seconds: float) -> d
         b, a = before["gpu_lock"], after["gpu_lock"]
         holds = a["acquisitions"] - b["acquisitions"]
         extra = {"lock_held": round((a["held_s"] - b["held_s"]) / max(seconds, 1e-9), 3),
-              "lock_ms_per_hold": round(1000.0 * (a["held_s"] - b["held_s"]) / max(1, holds), 3),
-              "lock_wait_ms_per_hold": round(1000.0 * (a["wait_s"] - b["wait_s"]) / max(1, holds), 3)}
+                 "lock_ms_per_hold": round(1000.0 * (a["held_s"] - b["held_s"]) / max(1, holds), 3),
+                 "lock_wait_ms_per_hold": round(1000.0 * (a["wait_s"] - b["wait_s"]) / max(1, holds), 3)}
     if "gc" in before and "gc" in after:  # Python's collections in the replicas during the level (gc_pauses.py)
         b, a = before["gc"], after["gc"]
         extra.update(gc_collections=[a["collections"][i] - b["collections"][i] for i in range(3)],
-                  gc_ms=[round(1000.0 * (a["seconds"][i] - b["seconds"][i]), 2) for i in range(3)])
+                     gc_ms=[round(1000.0 * (a["seconds"][i] - b["seconds"][i]), 2) for i in range(3)])
     return {**extra, "batches": batches, "requests": reqs, "requests_per_batch": round(reqs / max(1, batches), 2),
             "replicas": after.get("replicas", 1),
             "forward_ms_per_batch": round(1000.0 * fwd / max(1, batches), 3),
