@@ -58,13 +58,14 @@ def run_one(cfg: dict, name: str, args, scratch: str) -> dict:
     with open(path, "w", encoding="utf-8") as fh:
         yaml.safe_dump(cfg, fh, sort_keys=False)
     out = os.path.join(scratch, "%s.json" % name)
-    serve_load.main(["--checkpoint", args.checkpoint, "--backend", "eager", "--device", "cpu", "--config", path,
-                     "--levels", str(args.clients), "--duration", str(args.duration), "--warmup", str(args.warmup),
-                     "--cluster-env", "LAYA_FLEET_HAPROXY_BUSY_POLLING=0", "--out", out])
+    rc = serve_load.main(["--checkpoint", args.checkpoint, "--backend", "eager", "--device", "cpu", "--config", path,
+                          "--levels", str(args.clients), "--duration", str(args.duration), "--warmup",
+                          str(args.warmup), "--cluster-env", "LAYA_FLEET_HAPROXY_BUSY_POLLING=0", "--out", out])
     with open(out, encoding="utf-8") as fh:
         row = next(iter(json.load(fh)["results"].values()))[0]
     cores = row["cpu_cores"].get("ingress", 0.0)
-    return {"rps": row["rps"], "p50_ms": row["p50_ms"], "p99_ms": row["p99_ms"], "ingress_cores": cores,
+    return {"failed_requests": rc != 0, "errors": row["errors"], "rps": row["rps"], "p50_ms": row["p50_ms"],
+            "p99_ms": row["p99_ms"], "ingress_cores": cores,
             "cpu_ms_per_request": round(1000.0 * cores / max(row["rps"], 1e-9), 4)}
 
 
@@ -87,6 +88,11 @@ def main(argv: list[str] | None = None) -> int:
         path, _, value = spec.partition(":")
         if not name or not path or not value:
             p.error("--variant must look like NAME=PATH:VALUE, got %r" % v)
+        if value != "-":
+            try:
+                json.loads(value)
+            except ValueError as e:
+                p.error("--variant %r: VALUE must be JSON or '-' (%s)" % (v, e))
         servers[name] = (path, value)
     runs: dict[str, list[dict]] = {n: [] for n in servers}
     with tempfile.TemporaryDirectory(prefix="laya-fleet-host-cpu-") as scratch:
@@ -122,7 +128,10 @@ def main(argv: list[str] | None = None) -> int:
     fig.tight_layout()
     fig.savefig(os.path.splitext(args.out)[0] + ".png", dpi=120)
     print("wrote %s" % args.out)
-    return 0
+    failed = [n for n, rs in runs.items() if any(r["failed_requests"] for r in rs)]
+    if failed:
+        print("requests failed in: %s (see the JSON's errors)" % ", ".join(failed))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -254,4 +254,3 @@ def test_the_lock_counts_its_outermost_holds_and_the_time_they_lasted(tmp_path):
         pass
     assert lock.acquisitions == 2 and lock.held_s < 1.0
     lock.close()
-
