@@ -334,8 +334,7 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
             for i, j in T.Parallel(hm, bn):
                 C_l[i, j] = C_l[i, j] * SA[T.min(by * bm + grp * hm + i, M - 1)] * SB[T.min(bx * bn + j, N - 1)]
             if geglu:
-                # the two halves rounded to C's dtype before the GeGLU, as `torch._scaled_mm` returns the Wi product
-                # to the other FP8 paths (kernels/quant.py's `geglu_quant`): one GeGLU for every path
+                # halves rounded to C's dtype before the GeGLU, as torch._scaled_mm's Wi product is (one GeGLU)
                 for i, j in T.Parallel(hm, bn):
                     C_l[i, j] = T.Cast(F32, T.Cast(DT, C_l[i, j]))
                 for i, j in T.Parallel(hm, bn):
