@@ -99,6 +99,11 @@ _ALL = (
     Setting("LAYA_FLEET_POLL_FORWARD", "bool", True,
             "A GPU scorer launches a forward that fits one micro-batch from its event loop and polls for it "
             "between the loop's other callbacks. `0`: every forward goes through the scorer's forward thread."),
+    Setting("LAYA_FLEET_POLL_WAITS_FOR_GPU", "bool", False,
+            "When another process's forward holds the GPU lock, a polled forward waits for the lock on a thread "
+            "of the lock's own and then launches from the event loop, rather than going through the forward "
+            "thread (whose steps inside the lock's hold each take the GIL back from the event loop). Off until "
+            "measured: bench/serve_load.py --cluster-env LAYA_FLEET_POLL_WAITS_FOR_GPU=1 against the default."),
 )
 
 SETTINGS: dict[str, Setting] = {s.name: s for s in _ALL}
