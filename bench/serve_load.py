@@ -787,12 +787,28 @@ def built_runs(args, payloads: list[dict], levels: list[int], logs: str, ingress
             results[name] = run_server(srv, payloads, levels, args.duration, args.warmup, None, procs, cpu=True)
 
 
+def config_variants(replicas_per_gpu: str | None, env_variants: list[str], rounds: int = 1
+                    ) -> list[tuple[int | None, dict, str]]:
+    """The servers `config_runs` starts, in order: (replicas per GPU or None, extra cluster environment, label
+    suffix). The file as shipped, each `--config-replicas-per-gpu` count, each `--env-variant NAME=VALUE`, the whole
+    sequence `rounds` times (alternated, so a host's drift falls on every variant alike)."""
+    one = [(None, {}, "")] + [(int(k), {}, "") for k in (replicas_per_gpu or "").split(",") if k.strip()]
+    for kv in env_variants:
+        name, sep, value = kv.partition("=")
+        if not sep or not name:
+            raise SystemExit("--env-variant wants NAME=VALUE, got %r" % kv)
+        one.append((None, {name: value}, ", %s=%s (not as shipped)" % (name, value)))
+    return [(rpg, env, label + (" #%d" % (r + 1) if rounds > 1 else ""))
+            for r in range(rounds) for rpg, env, label in one]
+
+
 def config_runs(args, payloads: list[dict], levels: list[int], logs: str, procs: int, cluster_env: dict,
                 results: dict, startup: dict, answers: dict) -> None:
-    """`--config` as shipped, then each `--config-replicas-per-gpu` variant; behind HAProxy, also one client on
-    one replica's own port (what the HAProxy hop costs); fills `results`, `startup` and `answers`."""
-    variants = [None] + [int(k) for k in (args.config_replicas_per_gpu or "").split(",") if k.strip()]
-    for rpg in variants:
+    """`--config` as shipped, then each `--config-replicas-per-gpu` and `--env-variant` variant, `--rounds` times;
+    behind HAProxy, also one client on one replica's own port (what the HAProxy hop costs); fills `results`,
+    `startup` and `answers`."""
+    for i, (rpg, variant_env, label) in enumerate(config_variants(args.config_replicas_per_gpu, args.env_variant,
+                                                                  args.rounds)):
         cfg, key_env = shipped_config(args.config, args.checkpoint, args.backend, args.device, free_port(),
                                       os.path.dirname(logs), rpg)
         app_args = cfg["applications"][0].get("args", {})
@@ -802,13 +818,14 @@ def config_runs(args, payloads: list[dict], levels: list[int], logs: str, procs:
             for a in cfg["applications"])
         fused = app_args.get("topology") == "fused"
         hdr = {"Authorization": "Bearer " + next(iter(key_env.values()))} if key_env else None
-        with FleetServer(cfg, logs + ".config%s.log" % (rpg or ""), direct=direct, haproxy=haproxy,
-                         extra_env=dict(key_env, **cluster_env),
-                         keep_logs=os.path.splitext(args.out)[0] + ".serve-logs%s.tar.gz" % (rpg or "")) as srv:
-            srv.name = "laya-fleet (%s%s%s%s)" % (
+        tag = "" if i == 0 else str(i)   # the first server's files keep the names they always had
+        with FleetServer(cfg, logs + ".config%s.log" % tag, direct=direct, haproxy=haproxy,
+                         extra_env=dict(key_env, **cluster_env, **variant_env),
+                         keep_logs=os.path.splitext(args.out)[0] + ".serve-logs%s.tar.gz" % tag) as srv:
+            srv.name = "laya-fleet (%s%s%s%s%s)" % (
                 os.path.basename(args.config), ", HAProxy" if haproxy else ", direct ingress" if direct else "",
                 ", %d per GPU (not as shipped)" % rpg if rpg else "",
-                "".join(", %s=%s" % kv for kv in cluster_env.items()))
+                "".join(", %s=%s" % kv for kv in cluster_env.items()), label)
             startup[srv.name] = round(srv.ready_s, 1)
             answers[srv.name] = sample_answers(srv.url + "/v1/systemone", payloads[:16], hdr)
             results[srv.name] = run_server(srv, payloads, levels, args.duration, args.warmup, hdr, procs,
@@ -836,6 +853,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config-replicas-per-gpu", default=None,
                    help="with --config: also run variants of the file with K fused replicas per GPU (a list; "
                         "labelled 'not as shipped'), after the file as shipped")
+    p.add_argument("--env-variant", action="append", default=[], metavar="NAME=VALUE",
+                   help="with --config: after the file as shipped, the same file with this variable also set in "
+                        "the cluster environment (one server per variant, in the same run)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="with --config: start the shipped file and its variants this many times, alternated")
     p.add_argument("--cluster-env", action="append", default=[], metavar="NAME=VALUE",
                    help="with --config: a variable for the cluster's environment (`serve run`'s, so Ray's processes "
                         "and HAProxy see it), e.g. RAY_SERVE_HAPROXY_NBTHREAD=1; repeatable; named in the row")
@@ -870,6 +892,9 @@ def main(argv: list[str] | None = None) -> int:
     # groups outlive this one otherwise, holding the GPU and ports)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
+    if args.rounds < 1:
+        raise SystemExit("--rounds must be at least 1, got %d" % args.rounds)
+    config_variants(args.config_replicas_per_gpu, args.env_variant, args.rounds)   # a bad variant stops it here
     levels = [int(x) for x in args.levels.split(",") if x.strip()]
     upstream_levels = [int(x) for x in (args.upstream_levels or args.levels).split(",") if x.strip()]
     cluster_env = dict(kv.split("=", 1) for kv in args.cluster_env)

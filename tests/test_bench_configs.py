@@ -69,3 +69,20 @@ def test_saved_serve_logs_are_the_tails_of_the_sessions_logs(tmp_path):
         kept = tar.extractfile("serve_controller_1.log").read()
         assert len(kept) == 100 and kept.endswith(b"the end\n")
         assert tar.extractfile("raylet.out").read() == b"raylet line\n"
+
+
+def test_config_variants_alternate_the_shipped_file_with_each_variant_per_round():
+    """`--env-variant` and `--rounds`: the shipped file first in every round, each variant labelled as not shipped,
+    rounds numbered only when there are several; a variant that is not NAME=VALUE stops the bench."""
+    import pytest
+
+    assert serve_load.config_variants(None, []) == [(None, {}, "")]
+    runs = serve_load.config_variants("2", ["X=1"], rounds=2)
+    assert runs == [(None, {}, " #1"), (2, {}, " #1"), (None, {"X": "1"}, ", X=1 (not as shipped) #1"),
+                    (None, {}, " #2"), (2, {}, " #2"), (None, {"X": "1"}, ", X=1 (not as shipped) #2")]
+    assert serve_load.config_variants(None, ["A=b=c"])[1][1] == {"A": "b=c"}
+    for bad in ("NOVALUE", "=1"):
+        with pytest.raises(SystemExit, match="NAME=VALUE"):
+            serve_load.config_variants(None, [bad])
+    with pytest.raises(SystemExit, match="--rounds"):
+        serve_load.main(["--config", "configs/prod.yaml", "--rounds", "0"])
