@@ -103,7 +103,7 @@ _ALL = (
             "When another process's forward holds the GPU lock, a polled forward waits for the lock on a thread "
             "of the lock's own and then launches from the event loop, rather than going through the forward "
             "thread (whose steps inside the lock's hold each take the GIL back from the event loop). Off until "
-            "measured: bench/serve_load.py --cluster-env LAYA_FLEET_POLL_WAITS_FOR_GPU=1 against the default."),
+            "measured: bench/serve_load.py --env-variant LAYA_FLEET_POLL_WAITS_FOR_GPU=1 runs it beside the default."),
 )
 
 SETTINGS: dict[str, Setting] = {s.name: s for s in _ALL}
