@@ -894,6 +894,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.rounds < 1:
         raise SystemExit("--rounds must be at least 1, got %d" % args.rounds)
+    if not args.config and (args.env_variant or args.rounds > 1 or args.config_replicas_per_gpu):
+        raise SystemExit("--env-variant, --rounds and --config-replicas-per-gpu vary a --config file: give one")
     config_variants(args.config_replicas_per_gpu, args.env_variant, args.rounds)   # a bad variant stops it here
     levels = [int(x) for x in args.levels.split(",") if x.strip()]
     upstream_levels = [int(x) for x in (args.upstream_levels or args.levels).split(",") if x.strip()]

@@ -86,3 +86,6 @@ def test_config_variants_alternate_the_shipped_file_with_each_variant_per_round(
             serve_load.config_variants(None, [bad])
     with pytest.raises(SystemExit, match="--rounds"):
         serve_load.main(["--config", "configs/prod.yaml", "--rounds", "0"])
+    for alone in (["--env-variant", "X=1"], ["--rounds", "2"]):   # nothing to vary: refused, not ignored
+        with pytest.raises(SystemExit, match="--config"):
+            serve_load.main(alone)

@@ -1,8 +1,8 @@
 """Python's garbage collector in a serving replica: its collections and their pauses, for /stats.
 
 A replica holds a few hundred thousand long-lived objects once torch, Ray, FastAPI, the tokenizers and the model
-are loaded; a full (generation 2) collection over all of them holds the GIL for a good part of a second, which
-every request of that replica would wait for. Ray Serve 2.60 freezes them at the end of a replica's start-up
+are loaded; a full (generation 2) collection walks all of them while holding the GIL, and every request of that
+replica waits for it. Ray Serve 2.60 freezes them at the end of a replica's start-up
 (`RAY_SERVE_FREEZE_GC_ON_STARTUP`, on by default: `gc.collect()` then `gc.freeze()`), so later collections walk
 only what was made since; `frozen` in the snapshot shows that it happened, and the per-generation counts and
 times show what collections still cost under load (bench/serve_load.py prints generation 2's per level).
