@@ -102,8 +102,8 @@ _ALL = (
     Setting("LAYA_FLEET_POLL_WAITS_FOR_GPU", "bool", False,
             "When another process's forward holds the GPU lock, a polled forward waits for the lock on a thread "
             "of the lock's own and then launches from the event loop, rather than going through the forward "
-            "thread (whose steps inside the lock's hold each take the GIL back from the event loop). Off until "
-            "measured: bench/serve_load.py --env-variant LAYA_FLEET_POLL_WAITS_FOR_GPU=1 runs it beside the default."),
+            "thread. Measured slower (BENCHMARKS.md, run 15: 1072-1212 against 1351-1603 requests/s at 64-128 "
+            "clients on an H100): the lock sits held until the loop reaches the woken wait. Leave it off."),
 )
 
 SETTINGS: dict[str, Setting] = {s.name: s for s in _ALL}
