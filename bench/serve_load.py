@@ -43,6 +43,8 @@ UPSTREAM_MODEL = "bench"
 # a client that gets 503 / 429 waits Retry-After seconds (capped here) before its next request, as clients with
 # backoff do
 RETRY_AFTER_CAP_S = 2.0
+# the errors key of a 429 / 503 that came without Retry-After ("503-no-Retry-After"): shed load must say when
+NO_RETRY_AFTER = "-no-Retry-After"
 
 
 def retry_after_cap() -> float:
@@ -363,15 +365,15 @@ def floor_config(port: int, ingress_replicas: int) -> dict:
 # -- load ---------------------------------------------------------------------------------------------
 
 async def _clients(url: str | list[str], bodies: list[bytes], clients: int, t_measure: float, t_end: float,
-                   headers: dict | None, timeout: float) -> list[tuple[float, int, float, float]]:
+                   headers: dict | None, timeout: float) -> list[tuple[float, int | str, float, float]]:
     """`clients` closed loops until `t_end`; (done time, status, latency s, scorer-call s or nan) of requests started
-    after `t_measure`.
+    after `t_measure`; a 429 / 503 without Retry-After has status "503-no-Retry-After" (NO_RETRY_AFTER).
 
     A list of URLs (direct-ingress replicas) is spread over the clients, client k on URL k mod n."""
     import aiohttp
 
     urls = url if isinstance(url, list) else [url]
-    records: list[tuple[float, int, float, float]] = []
+    records: list[tuple[float, int | str, float, float]] = []
     counter = iter(range(10 ** 12))
     hdrs = dict(headers or {}, **{"Content-Type": "application/json"})
 
@@ -390,7 +392,9 @@ async def _clients(url: str | list[str], bodies: list[bytes], clients: int, t_me
                     if "X-Inference-Time-Ms" in r.headers:  # laya-fleet: the ingress's wait for its scorer call
                         infer = float(r.headers["X-Inference-Time-Ms"]) / 1000.0
                     cap = retry_after_cap()
-                    if status in (429, 503) and cap > 0:
+                    if status in (429, 503) and "Retry-After" not in r.headers:
+                        status = "%d%s" % (status, NO_RETRY_AFTER)
+                    elif status in (429, 503) and cap > 0:
                         try:
                             retry_after = min(float(r.headers.get("Retry-After", 0)), cap)
                         except ValueError:
@@ -409,7 +413,7 @@ async def _clients(url: str | list[str], bodies: list[bytes], clients: int, t_me
     return records
 
 
-def _client_proc(job: tuple) -> list[tuple[float, int, float, float]]:
+def _client_proc(job: tuple) -> list[tuple[float, int | str, float, float]]:
     """One client process of a multi-process level: waits for the shared start time, then runs its loops."""
     url, bodies, clients, t_start, warmup, duration, headers, timeout = job
     time.sleep(max(0.0, t_start - time.monotonic()))

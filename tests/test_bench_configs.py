@@ -89,3 +89,38 @@ def test_config_variants_alternate_the_shipped_file_with_each_variant_per_round(
     for alone in (["--env-variant", "X=1"], ["--rounds", "2"]):   # nothing to vary: refused, not ignored
         with pytest.raises(SystemExit, match="--config"):
             serve_load.main(alone)
+
+
+def test_a_level_counts_shed_requests_without_retry_after_apart():
+    """Against a real HTTP server that answers 200, 503 with Retry-After and 503 without it in turn, a level's
+    errors name the 503s that came without the header (the 512-client criterion: only 200s and 503s with it)."""
+    import asyncio
+
+    from aiohttp import web
+
+    async def scenario() -> dict:
+        seen = iter(range(10 ** 9))
+
+        async def handler(_request):
+            k = next(seen) % 3
+            if k == 0:
+                return web.json_response({"ok": True})
+            headers = {"Retry-After": "0"} if k == 1 else {}
+            return web.json_response({"detail": "overloaded"}, status=503, headers=headers)
+
+        app = web.Application()
+        app.router.add_post("/v1/systemone", handler)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        try:
+            return await serve_load.run_level("http://127.0.0.1:%d/v1/systemone" % port, [{"x": 1}], 2, 0.6, 0.1)
+        finally:
+            await runner.cleanup()
+
+    level = asyncio.run(scenario())
+    assert level["ok"] > 0
+    assert set(level["errors"]) == {"503", "503" + serve_load.NO_RETRY_AFTER}
+    assert abs(level["errors"]["503"] - level["errors"]["503" + serve_load.NO_RETRY_AFTER]) <= 2
