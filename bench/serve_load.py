@@ -791,19 +791,41 @@ def built_runs(args, payloads: list[dict], levels: list[int], logs: str, ingress
             results[name] = run_server(srv, payloads, levels, args.duration, args.warmup, None, procs, cpu=True)
 
 
-def config_variants(replicas_per_gpu: str | None, env_variants: list[str], rounds: int = 1
-                    ) -> list[tuple[int | None, dict, str]]:
-    """The servers `config_runs` starts, in order: (replicas per GPU or None, extra cluster environment, label
-    suffix). The file as shipped, each `--config-replicas-per-gpu` count, each `--env-variant NAME=VALUE`, the whole
-    sequence `rounds` times (alternated, so a host's drift falls on every variant alike)."""
-    one = [(None, {}, "")] + [(int(k), {}, "") for k in (replicas_per_gpu or "").split(",") if k.strip()]
+def config_variants(replicas_per_gpu: str | None, env_variants: list[str], rounds: int = 1,
+                    deployment_variants: list[str] = ()) -> list[tuple[int | None, dict, dict, str]]:
+    """The servers `config_runs` starts, in order: (replicas per GPU or None, extra cluster environment, deployment
+    overrides {(deployment, field): value}, label suffix). The file as shipped, each `--config-replicas-per-gpu`
+    count, each `--env-variant NAME=VALUE`, each `--deployment-variant DEPLOYMENT.FIELD=VALUE`, the whole sequence
+    `rounds` times (alternated, so a host's drift falls on every variant alike)."""
+    one = [(None, {}, {}, "")] + [(int(k), {}, {}, "") for k in (replicas_per_gpu or "").split(",") if k.strip()]
     for kv in env_variants:
         name, sep, value = kv.partition("=")
         if not sep or not name:
             raise SystemExit("--env-variant wants NAME=VALUE, got %r" % kv)
-        one.append((None, {name: value}, ", %s=%s (not as shipped)" % (name, value)))
-    return [(rpg, env, label + (" #%d" % (r + 1) if rounds > 1 else ""))
-            for r in range(rounds) for rpg, env, label in one]
+        one.append((None, {name: value}, {}, ", %s=%s (not as shipped)" % (name, value)))
+    for kv in deployment_variants:
+        key, sep, value = kv.partition("=")
+        dep, dot, field = key.partition(".")
+        if not sep or not dot or not dep or not field or not value:
+            raise SystemExit("--deployment-variant wants DEPLOYMENT.FIELD=VALUE, got %r" % kv)
+        one.append((None, {}, {(dep, field): yaml.safe_load(value)}, ", %s=%s (not as shipped)" % (key, value)))
+    return [(rpg, env, over, label + (" #%d" % (r + 1) if rounds > 1 else ""))
+            for r in range(rounds) for rpg, env, over, label in one]
+
+
+def override_deployments(cfg: dict, overrides: dict) -> dict:
+    """`cfg` with each {(deployment, field): value} set in the first application's deployments; a deployment the
+    file does not name, or a field its entry does not set, stops the bench (a typo must not run the file as
+    shipped under a variant's label)."""
+    deps = {d.get("name"): d for d in cfg["applications"][0].get("deployments", [])}
+    for (dep, field), value in overrides.items():
+        if dep not in deps:
+            raise SystemExit("--deployment-variant: no deployment %r in the file (it has %s)" % (dep, sorted(deps)))
+        if field not in deps[dep]:
+            raise SystemExit("--deployment-variant: deployment %r sets no %r (it sets %s)"
+                             % (dep, field, sorted(deps[dep])))
+        deps[dep][field] = value
+    return cfg
 
 
 def config_runs(args, payloads: list[dict], levels: list[int], logs: str, procs: int, cluster_env: dict,
@@ -811,10 +833,11 @@ def config_runs(args, payloads: list[dict], levels: list[int], logs: str, procs:
     """`--config` as shipped, then each `--config-replicas-per-gpu` and `--env-variant` variant, `--rounds` times;
     behind HAProxy, also one client on one replica's own port (what the HAProxy hop costs); fills `results`,
     `startup` and `answers`."""
-    for i, (rpg, variant_env, label) in enumerate(config_variants(args.config_replicas_per_gpu, args.env_variant,
-                                                                  args.rounds)):
+    for i, (rpg, variant_env, over, label) in enumerate(config_variants(
+            args.config_replicas_per_gpu, args.env_variant, args.rounds, args.deployment_variant)):
         cfg, key_env = shipped_config(args.config, args.checkpoint, args.backend, args.device, free_port(),
                                       os.path.dirname(logs), rpg)
+        override_deployments(cfg, over)
         app_args = cfg["applications"][0].get("args", {})
         haproxy = {"auto": bool(app_args.get("haproxy")), "on": True, "off": False}[args.haproxy]
         direct = haproxy or any(
@@ -860,6 +883,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--env-variant", action="append", default=[], metavar="NAME=VALUE",
                    help="with --config: after the file as shipped, the same file with this variable also set in "
                         "the cluster environment (one server per variant, in the same run)")
+    p.add_argument("--deployment-variant", action="append", default=[], metavar="DEPLOYMENT.FIELD=VALUE",
+                   help="with --config: after the file as shipped, the same file with one field of one deployment "
+                        "changed (e.g. Ingress.max_queued_requests=48; the field must be one the file sets)")
     p.add_argument("--rounds", type=int, default=1,
                    help="with --config: start the shipped file and its variants this many times, alternated")
     p.add_argument("--cluster-env", action="append", default=[], metavar="NAME=VALUE",
@@ -898,9 +924,15 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.rounds < 1:
         raise SystemExit("--rounds must be at least 1, got %d" % args.rounds)
-    if not args.config and (args.env_variant or args.rounds > 1 or args.config_replicas_per_gpu):
-        raise SystemExit("--env-variant, --rounds and --config-replicas-per-gpu vary a --config file: give one")
-    config_variants(args.config_replicas_per_gpu, args.env_variant, args.rounds)   # a bad variant stops it here
+    if not args.config and (args.env_variant or args.rounds > 1 or args.config_replicas_per_gpu
+                            or args.deployment_variant):
+        raise SystemExit("--env-variant, --deployment-variant, --rounds and --config-replicas-per-gpu vary a "
+                         "--config file: give one")
+    # a bad variant stops it here, before any server starts
+    for _rpg, _env, over, _label in config_variants(args.config_replicas_per_gpu, args.env_variant, args.rounds,
+                                                    args.deployment_variant):
+        with open(args.config, encoding="utf-8") as fh:
+            override_deployments(yaml.safe_load(fh), over)
     levels = [int(x) for x in args.levels.split(",") if x.strip()]
     upstream_levels = [int(x) for x in (args.upstream_levels or args.levels).split(",") if x.strip()]
     cluster_env = dict(kv.split("=", 1) for kv in args.cluster_env)

@@ -76,19 +76,42 @@ def test_config_variants_alternate_the_shipped_file_with_each_variant_per_round(
     rounds numbered only when there are several; a variant that is not NAME=VALUE stops the bench."""
     import pytest
 
-    assert serve_load.config_variants(None, []) == [(None, {}, "")]
+    assert serve_load.config_variants(None, []) == [(None, {}, {}, "")]
     runs = serve_load.config_variants("2", ["X=1"], rounds=2)
-    assert runs == [(None, {}, " #1"), (2, {}, " #1"), (None, {"X": "1"}, ", X=1 (not as shipped) #1"),
-                    (None, {}, " #2"), (2, {}, " #2"), (None, {"X": "1"}, ", X=1 (not as shipped) #2")]
+    assert runs == [(None, {}, {}, " #1"), (2, {}, {}, " #1"), (None, {"X": "1"}, {}, ", X=1 (not as shipped) #1"),
+                    (None, {}, {}, " #2"), (2, {}, {}, " #2"), (None, {"X": "1"}, {}, ", X=1 (not as shipped) #2")]
     assert serve_load.config_variants(None, ["A=b=c"])[1][1] == {"A": "b=c"}
     for bad in ("NOVALUE", "=1"):
         with pytest.raises(SystemExit, match="NAME=VALUE"):
             serve_load.config_variants(None, [bad])
     with pytest.raises(SystemExit, match="--rounds"):
         serve_load.main(["--config", "configs/prod.yaml", "--rounds", "0"])
-    for alone in (["--env-variant", "X=1"], ["--rounds", "2"]):   # nothing to vary: refused, not ignored
-        with pytest.raises(SystemExit, match="--config"):
+    for alone in (["--env-variant", "X=1"], ["--rounds", "2"], ["--deployment-variant", "Ingress.x=1"]):
+        with pytest.raises(SystemExit, match="--config"):   # nothing to vary: refused, not ignored
             serve_load.main(alone)
+
+
+def test_a_deployment_variant_changes_one_field_of_the_shipped_file_and_refuses_typos(tiny_checkpoint, tmp_path):
+    """`--deployment-variant Ingress.max_queued_requests=48`: that field alone differs from the file as shipped,
+    the value typed as YAML reads it; a deployment or field the file does not set stops the bench before any
+    server starts."""
+    import pytest
+
+    runs = serve_load.config_variants(None, [], 1, ["Ingress.max_queued_requests=48"])
+    assert runs[1] == (None, {}, {("Ingress", "max_queued_requests"): 48},
+                       ", Ingress.max_queued_requests=48 (not as shipped)")
+    path = os.path.join(REPO, "configs", "prod.yaml")
+    shipped, _ = serve_load.shipped_config(path, tiny_checkpoint, "auto", "auto", 18123, str(tmp_path))
+    varied = serve_load.override_deployments(copy.deepcopy(shipped), runs[1][2])
+    ingress = [d for d in varied["applications"][0]["deployments"] if d["name"] == "Ingress"][0]
+    assert ingress["max_queued_requests"] == 48
+    ingress["max_queued_requests"] = [d for d in shipped["applications"][0]["deployments"]
+                                      if d["name"] == "Ingress"][0]["max_queued_requests"]
+    assert varied == shipped
+    for bad, why in (("Ingres.max_queued_requests=48", "no deployment"), ("Ingress.max_queued=48", "sets no"),
+                     ("Ingress=48", "DEPLOYMENT.FIELD=VALUE"), ("Ingress.max_queued_requests=", "DEPLOYMENT")):
+        with pytest.raises(SystemExit, match=why):
+            serve_load.main(["--checkpoint", tiny_checkpoint, "--config", path, "--deployment-variant", bad])
 
 
 def test_a_level_counts_shed_requests_without_retry_after_apart():
