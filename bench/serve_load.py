@@ -830,9 +830,9 @@ def override_deployments(cfg: dict, overrides: dict) -> dict:
 
 def config_runs(args, payloads: list[dict], levels: list[int], logs: str, procs: int, cluster_env: dict,
                 results: dict, startup: dict, answers: dict) -> None:
-    """`--config` as shipped, then each `--config-replicas-per-gpu` and `--env-variant` variant, `--rounds` times;
-    behind HAProxy, also one client on one replica's own port (what the HAProxy hop costs); fills `results`,
-    `startup` and `answers`."""
+    """`--config` as shipped, then each `--config-replicas-per-gpu`, `--env-variant` and `--deployment-variant`
+    variant, `--rounds` times; behind HAProxy, also one client on one replica's own port (what the HAProxy hop
+    costs); fills `results`, `startup` and `answers`."""
     for i, (rpg, variant_env, over, label) in enumerate(config_variants(
             args.config_replicas_per_gpu, args.env_variant, args.rounds, args.deployment_variant)):
         cfg, key_env = shipped_config(args.config, args.checkpoint, args.backend, args.device, free_port(),
@@ -931,8 +931,9 @@ def main(argv: list[str] | None = None) -> int:
     # a bad variant stops it here, before any server starts
     for _rpg, _env, over, _label in config_variants(args.config_replicas_per_gpu, args.env_variant, args.rounds,
                                                     args.deployment_variant):
-        with open(args.config, encoding="utf-8") as fh:
-            override_deployments(yaml.safe_load(fh), over)
+        if over:
+            with open(args.config, encoding="utf-8") as fh:
+                override_deployments(yaml.safe_load(fh), over)
     levels = [int(x) for x in args.levels.split(",") if x.strip()]
     upstream_levels = [int(x) for x in (args.upstream_levels or args.levels).split(",") if x.strip()]
     cluster_env = dict(kv.split("=", 1) for kv in args.cluster_env)

@@ -112,6 +112,9 @@ def test_a_deployment_variant_changes_one_field_of_the_shipped_file_and_refuses_
                      ("Ingress=48", "DEPLOYMENT.FIELD=VALUE"), ("Ingress.max_queued_requests=", "DEPLOYMENT")):
         with pytest.raises(SystemExit, match=why):
             serve_load.main(["--checkpoint", tiny_checkpoint, "--config", path, "--deployment-variant", bad])
+    # without --config and without variants the check has no file to read and passes on to the levels
+    with pytest.raises(ValueError, match="invalid literal"):
+        serve_load.main(["--checkpoint", tiny_checkpoint, "--levels", "x"])
 
 
 def test_a_level_counts_shed_requests_without_retry_after_apart():
