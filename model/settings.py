@@ -99,11 +99,6 @@ _ALL = (
     Setting("LAYA_FLEET_POLL_FORWARD", "bool", True,
             "A GPU scorer launches a forward that fits one micro-batch from its event loop and polls for it "
             "between the loop's other callbacks. `0`: every forward goes through the scorer's forward thread."),
-    Setting("LAYA_FLEET_POLL_WAITS_FOR_GPU", "bool", False,
-            "When another process's forward holds the GPU lock, a polled forward waits for the lock on a thread "
-            "of the lock's own and then launches from the event loop, rather than going through the forward "
-            "thread. Measured slower (BENCHMARKS.md, run 15: 1072-1212 against 1351-1603 requests/s at 64-128 "
-            "clients on an H100): the lock sits held until the loop reaches the woken wait. Leave it off."),
 )
 
 SETTINGS: dict[str, Setting] = {s.name: s for s in _ALL}

@@ -41,7 +41,6 @@ GOALS = ("latency", "throughput")
 
 
 POLL_ENV = "LAYA_FLEET_POLL_FORWARD"  # "0": every async forward goes through the forward thread
-WAIT_ENV = "LAYA_FLEET_POLL_WAITS_FOR_GPU"  # "1": a polled forward waits for another process's GPU lock
 
 
 def is_oom(exc: BaseException) -> bool:
@@ -117,7 +116,6 @@ class Scorer:
             raise ValueError("budget_goal must be one of %s, got %r" % (GOALS, budget_goal))
         t0 = time.perf_counter()
         self.poll_forward = bool(settings.get(POLL_ENV))  # score_rows_async: launch one micro-batch and poll
-        self.poll_waits_for_gpu = bool(settings.get(WAIT_ENV))
         self.budget_goal = budget_goal
         self.budget_candidates = tuple(int(b) for b in budget_candidates or ()) or (
             THROUGHPUT_CANDIDATES if budget_goal == "throughput" else BUDGET_CANDIDATES)
@@ -358,19 +356,10 @@ class Scorer:
         (order,) = pending
         sub = [rows[i] for i in order]
         t = time.perf_counter()
-        # another process's forward on the GPU: wait for its lock off the loop, then launch here (a level of ours
-        # that the launch's own level outlives); a forward of this process in flight: the forward thread's path
-        lock = self.gpu_lock if self.poll_waits_for_gpu else None
-        taken = lock is not None and not lock.held
-        if taken:
-            await lock.acquire_async()
         try:
             launched = self.engine.launch(sub)
         except Exception:  # noqa: BLE001 - out of memory or bad rows: the forward thread's path handles them
             return None
-        finally:
-            if taken:
-                lock.release()
         if launched is None:
             return None
         try:

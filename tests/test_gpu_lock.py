@@ -256,92 +256,56 @@ def test_the_lock_counts_its_outermost_holds_and_the_time_they_lasted(tmp_path):
     lock.close()
 
 
-def test_an_event_loop_waits_for_the_lock_off_the_loop_and_a_cancelled_wait_gives_it_back(holder, tmp_path):
-    """`acquire_async` takes a free lock at once; a held one is waited for on a thread while the loop goes on
-    ticking; a non-blocking take during that wait answers at once; a wait cancelled before the holder lets go
-    leaves the lock with nobody once it does."""
-    import asyncio
-
+def test_a_non_blocking_take_answers_at_once_while_a_thread_of_this_process_waits(holder, tmp_path):
+    """While one thread of this process blocks for a lock another process holds, a non-blocking take (what an event
+    loop's polled launch does) answers False at once rather than waiting behind that thread; once the holder lets
+    go the waiting thread has the lock."""
     path, proc, release = holder
     mine = GpuLock(path)
-
-    async def wait_while_ticking():
-        ticks = 0
-        task = asyncio.create_task(mine.acquire_async())
-        threading.Timer(0.3, release.set).start()
-        while not task.done():
-            await asyncio.sleep(0.01)
-            ticks += 1
-            if ticks == 5:   # the waiting thread holds the lock's mutex: this answers without waiting for it
-                t = time.monotonic()
-                assert not mine.acquire(blocking=False) and time.monotonic() - t < 0.1
-        await task
-        return ticks
-
-    assert asyncio.run(wait_while_ticking()) >= 10   # the loop ran while the thread waited
-    assert mine.held and mine.waits == 1
+    waiter = threading.Thread(target=mine.acquire)
+    waiter.start()
+    time.sleep(0.2)   # the thread is now inside the blocking take
+    t = time.monotonic()
+    assert not mine.acquire(blocking=False) and time.monotonic() - t < 0.1
+    release.set()
+    waiter.join(30)
+    assert not waiter.is_alive() and mine.held and mine.waits == 1
     mine.release()
-    asyncio.run(mine.acquire_async())   # free: taken at once, no thread
-    assert mine.held and mine.waits == 1
-    mine.release()
-
-    other = GpuLock(path)   # another open file: flock keeps it apart from `mine`, as it would another process
-    assert other.acquire(blocking=False)
-
-    async def cancel_a_wait():
-        task = asyncio.create_task(mine.acquire_async())
-        await asyncio.sleep(0.1)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-
-    asyncio.run(cancel_a_wait())
-    other.release()   # the waiting thread now takes the lock and gives it straight back
-    deadline = time.monotonic() + 10
-    while not _other_process_gets_it(path) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not mine.held and _other_process_gets_it(path)
+    assert _other_process_gets_it(path)
     mine.close()
-    other.close()
 
 
-def test_a_polled_forward_that_waits_for_the_gpu_launches_from_the_loop(tiny_checkpoint, rows, tmp_path,
-                                                                      monkeypatch):
-    """LAYA_FLEET_POLL_WAITS_FOR_GPU=1: while another process holds the GPU lock, a one-micro-batch call waits for
-    it and is then launched and polled from the event loop (not the forward thread), with the forward thread's
-    answers and both locks free after; unset, the same call goes to the forward thread."""
+def test_a_polled_forward_that_finds_the_gpu_lock_held_goes_to_the_forward_thread(tiny_checkpoint, rows, tmp_path):
+    """While another process holds the GPU lock, a one-micro-batch call is not launched from the event loop: it goes
+    to the forward thread, which waits for the lock, and answers as `score_rows` does; both locks are free after."""
     import asyncio
 
     from serve_app.scorer import Scorer
 
     path = str(tmp_path / "gpu.lock")
-    answers = {}
-    for waits in ("1", "0"):
-        monkeypatch.setenv("LAYA_FLEET_POLL_WAITS_FOR_GPU", waits)
-        scorer = Scorer(tiny_checkpoint, backend="fast", device="cpu", max_batch_tokens=2048,
-                        backend_options={"ops": "torch", "max_batch_tokens": 2048, "gpu_lock": GpuLock(path)})
-        scorer.poll_on_cpu = True
-        few = rows[:3]
-        want = scorer.score_rows(few)
-        threaded = []
-        real = scorer._score_rows
-        scorer._score_rows = lambda rs, threaded=threaded, real=real: threaded.append(len(rs)) or real(rs)
-        held, release = CTX.Event(), CTX.Event()
-        other = CTX.Process(target=_hold, args=(path, held, release))
-        other.start()
-        try:
-            assert held.wait(60)
-            threading.Timer(0.3, release.set).start()
-            lg, p = asyncio.run(scorer.score_rows_async(few))
-        finally:
-            release.set()
-            other.join(60)
-        np.testing.assert_array_equal(lg, want[0])
-        np.testing.assert_array_equal(p, want[1])
-        answers[waits] = threaded
-        lock = scorer.gpu_lock
-        assert lock.waits >= 1 and not lock.held and _other_process_gets_it(path)
-        assert scorer.engine.backend.engine._lock.acquire(blocking=False)
-        scorer.engine.backend.engine._lock.release()
-        scorer.close()
-    assert answers == {"1": [], "0": [len(few)]}
+    scorer = Scorer(tiny_checkpoint, backend="fast", device="cpu", max_batch_tokens=2048,
+                    backend_options={"ops": "torch", "max_batch_tokens": 2048, "gpu_lock": GpuLock(path)})
+    scorer.poll_on_cpu = True
+    few = rows[:3]
+    want = scorer.score_rows(few)
+    threaded = []
+    real = scorer._score_rows
+    scorer._score_rows = lambda rs: threaded.append(len(rs)) or real(rs)
+    held, release = CTX.Event(), CTX.Event()
+    other = CTX.Process(target=_hold, args=(path, held, release))
+    other.start()
+    try:
+        assert held.wait(60)
+        threading.Timer(0.3, release.set).start()
+        lg, p = asyncio.run(scorer.score_rows_async(few))
+    finally:
+        release.set()
+        other.join(60)
+    np.testing.assert_array_equal(lg, want[0])
+    np.testing.assert_array_equal(p, want[1])
+    assert threaded == [len(few)]
+    lock = scorer.gpu_lock
+    assert lock.waits >= 1 and not lock.held and _other_process_gets_it(path)
+    assert scorer.engine.backend.engine._lock.acquire(blocking=False)
+    scorer.engine.backend.engine._lock.release()
+    scorer.close()

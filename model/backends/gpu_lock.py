@@ -9,10 +9,9 @@ on the CPU while another's forward runs. The lock is an `flock` on a file named 
 on the node sees the same GPU under the same UUID, whatever CUDA_VISIBLE_DEVICES it has), released by the
 kernel when its process dies, so a replica that is killed never leaves the GPU locked.
 
-An event loop can take the lock with `acquire_async` (when another process holds it, a thread of the lock's own
-waits for it while the loop goes on). A polled forward (`launch`) hands its release to `release_after`: a thread
-of the lock's own waits on the forward's last CUDA event and unlocks at once, so the next process's forward does
-not wait for the launching thread's event loop to come round to collecting.
+A polled forward (`launch`) hands its release to `release_after`: a thread of the lock's own waits on the
+forward's last CUDA event and unlocks at once, so the next process's forward does not wait for the launching
+thread's event loop to come round to collecting.
 """
 
 from __future__ import annotations
@@ -24,7 +23,6 @@ import queue
 import tempfile
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +48,6 @@ class GpuLock:
         self._count = 0
         self._mutex = threading.Lock()
         self._after: queue.SimpleQueue | None = None   # (event, released) pairs for the release thread
-        self._waiter: ThreadPoolExecutor | None = None   # acquire_async's waiting thread
         self.held_since: float | None = None   # time.monotonic() when this process took the lock; None if not held
         self.waits = 0                         # acquisitions that found another process holding it
         self.wait_s = 0.0                      # seconds spent waiting for it
@@ -72,23 +69,6 @@ class GpuLock:
             return self._acquire(blocking)
         finally:
             self._mutex.release()
-
-    async def acquire_async(self) -> None:
-        """Take the lock (or one more level) from an event loop: at once when it is free, else on a waiting thread of
-        the lock's own while the loop goes on. Cancelled while waiting, the level goes back once the thread has it."""
-        if self.acquire(blocking=False):
-            return
-        import asyncio
-
-        with self._mutex:
-            if self._waiter is None:
-                self._waiter = ThreadPoolExecutor(1, thread_name_prefix="gpu-lock-wait")
-        fut = self._waiter.submit(self.acquire)
-        try:
-            await asyncio.wrap_future(fut)
-        except asyncio.CancelledError:
-            fut.add_done_callback(lambda f: f.cancelled() or f.exception() is not None or self.release())
-            raise
 
     def _acquire(self, blocking: bool) -> bool:
         if self._count:
@@ -167,8 +147,6 @@ class GpuLock:
             if self._fd is not None:
                 os.close(self._fd)
                 self._fd, self._count, self.held_since = None, 0, None
-        if self._waiter is not None:
-            self._waiter.shutdown(wait=False, cancel_futures=True)
 
 
 def for_device(device) -> GpuLock | None:
