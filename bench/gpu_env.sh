@@ -19,7 +19,18 @@ done
 export PYTHONPATH=/tmp/site:$PWD CUDA_HOME=/usr/local/cuda PYTHONUNBUFFERED=1 LAYA_FLEET_LOCAL_CACHE_DIR=/tmp/lfc
 # the bundles ship no bytecode: compile it once, in the background, as pip does at install, so that every Ray
 # process (GCS client, monitor, dashboard agent, workers) does not compile its imports on start-up timings
-if [ "$_new" = 1 ]; then (nice python3 -m compileall -q -j 0 /tmp/site >/tmp/site-compileall.log 2>&1 &); fi
+# (again on a later call when an earlier call's compile ended with it: compileall skips what is up to date)
+[ "$_new" = 1 ] && rm -f /tmp/site/.bytecode-done
+if [ ! -f /tmp/site/.bytecode-done ] && ! pgrep -f '[m] compileall -q -j 0 /tmp/site' >/dev/null; then
+  (nice python3 -m compileall -q -j 0 /tmp/site >/tmp/site-compileall.log 2>&1; touch /tmp/site/.bytecode-done) &
+fi
+# start-up timings (bench/offline.py, bench/startup_profile.py) call this first: without bytecode each Ray process
+# compiles what it imports, which tripled `ray.init` on the GPU host (10.4 s against 3.2 s with it)
+wait_bytecode() {
+  local t=$SECONDS
+  while [ ! -f /tmp/site/.bytecode-done ] && [ $((SECONDS - t)) -lt 300 ]; do sleep 1; done
+  echo "bytecode ready after $((SECONDS - t)) s of waiting"
+}
 _P=$(python3 -c "import sys; print(sys.executable)")
 _shim() { printf '#!%s\nimport sys\nfrom %s import %s\nsys.exit(%s())\n' "$_P" "$2" "$3" "$3" > "$(dirname "$_P")/$1" \
   && chmod +x "$(dirname "$_P")/$1"; }
