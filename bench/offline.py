@@ -271,6 +271,17 @@ def plot(res: dict, png: str) -> None:
     fig.savefig(png, dpi=110)
 
 
+def ray_bytecode(ray_module) -> bool:
+    """Whether the imported Ray package's own modules have up-to-date bytecode (as an install leaves them)."""
+    import importlib.util
+
+    probe = os.path.join(os.path.dirname(ray_module.__file__), "_private", "worker.py")
+    try:
+        return os.path.getmtime(importlib.util.cache_from_source(probe)) >= os.path.getmtime(probe)
+    except OSError:
+        return False
+
+
 def env_info() -> dict:
     """Versions and hardware of this run."""
     info = {"python": platform.python_version(), "host_cpus": os.cpu_count(), "date": dt.date.today().isoformat()}
@@ -280,6 +291,10 @@ def env_info() -> dict:
 
         info.update(torch=torch.__version__, ray=ray.__version__, cuda=torch.version.cuda,
                     gpu=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
+        # without bytecode every Ray process compiles its imports: the start-up measured is then the harness's
+        info["ray_bytecode"] = ray_bytecode(ray)
+        if not info["ray_bytecode"]:
+            log("warning: Ray's modules have no bytecode yet; the start-up measured includes compiling them")
     except Exception:  # pragma: no cover
         pass
     try:
