@@ -13,6 +13,7 @@ and writes the JSON and PNG.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -41,6 +42,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--out", required=True)
     args = p.parse_args()
+    if args.queued_variant < 1 or args.rounds < 1:
+        raise SystemExit("--queued-variant and --rounds must be at least 1, got %d and %d"
+                         % (args.queued_variant, args.rounds))
     started = time.time()
     shipped = ingress_bounds(os.path.join(ROOT, "configs", "prod.yaml"))
     if shipped != PROD_INGRESS:   # the experiment is about prod.yaml's bounds: follow them if they change
@@ -59,8 +63,26 @@ def main() -> None:
                "--duration", str(args.duration), "--warmup", "2", "--rounds", str(args.rounds),
                "--deployment-variant", "Ingress.max_queued_requests=%d" % args.queued_variant, "--out", args.out]
         rc = subprocess.call(cmd)
-    # serve_load exits 1 when any request failed: here the 503s are what is measured, not a failed run
-    raise SystemExit(0 if rc == 1 and os.path.exists(args.out) and os.path.getmtime(args.out) > started else rc)
+    if rc != 1 or not os.path.exists(args.out) or os.path.getmtime(args.out) < started:
+        raise SystemExit(rc)
+    # serve_load exits 1 when any request failed: 503s with Retry-After are what is measured here, anything else
+    # (a 500, a 503 without the header, a refused connection) is a failed run
+    other = other_errors(args.out)
+    if other:
+        raise SystemExit("errors other than 503 + Retry-After: %s" % other)
+
+
+def other_errors(path: str) -> dict:
+    """Errors in serve_load's result at `path` other than the replicas' 503 + Retry-After, summed by kind."""
+    with open(path, encoding="utf-8") as fh:
+        res = json.load(fh)
+    out: dict[str, int] = {}
+    for rows in res["results"].values():
+        for r in rows:
+            for kind, n in r["errors"].items():
+                if kind != "503":
+                    out[kind] = out.get(kind, 0) + n
+    return out
 
 
 if __name__ == "__main__":
