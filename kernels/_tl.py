@@ -34,24 +34,52 @@ _lock = threading.RLock()
 _kernels: dict[tuple, Any] = {}
 _building: dict[tuple, threading.Lock] = {}
 _mod: tuple[Any, Any] | None = None
-_config: dict[str, str | None] = {"cache_dir": None, "arch": None}
+_config: dict[str, Any] = {"cache_dir": None, "arch": None, "pdl": True}
 
 
-def configure(cache_dir: str | None = None, arch: str | None = None) -> dict[str, str | None]:
-    """Set TileLang's kernel cache directory and the target arch (`sm_90a`; None: the visible GPU's, else
-    sm_90a); returns the previous settings. A cache dir set after tilelang's import still applies: tilelang
-    reads its variable on every cache access."""
+def configure(cache_dir: str | None = None, arch: str | None = None, pdl: bool = True) -> dict[str, Any]:
+    """Set TileLang's kernel cache directory, the target arch (`sm_90a`; None: the visible GPU's, else sm_90a) and
+    whether kernels built from now on use programmatic dependent launch (`pdl`, see `pdl()`); returns the previous
+    settings. A cache dir set after tilelang's import still applies: tilelang reads its variable on every cache
+    access."""
     with _lock:
         old = dict(_config)
-        _config.update(cache_dir=cache_dir, arch=arch)
+        _config.update(cache_dir=cache_dir, arch=arch, pdl=bool(pdl))
         if cache_dir:
             os.environ["TILELANG_CACHE_DIR"] = cache_dir
         return old
 
 
-def settings() -> dict[str, str | None]:
-    """The current `configure` values (cache_dir, arch)."""
+def settings() -> dict[str, Any]:
+    """The current `configure` values (cache_dir, arch, pdl)."""
     return dict(_config)
+
+
+def pdl() -> bool:
+    """Whether kernels built now use programmatic dependent launch (Hopper and later): each kernel waits for the
+    previous grid (griddepcontrol.wait) before touching memory and lets the next one launch right after that, so a
+    kernel's launch and set-up overlap its predecessor's tail. A launch of either kind after either kind is correct:
+    the wait comes before every memory access, and kernels without it launch only after their predecessor ends."""
+    if not _config["pdl"]:
+        return False
+    digits = "".join(c for c in target()["arch"].split("_")[-1] if c.isdigit())
+    return bool(digits) and int(digits) >= 90
+
+
+def pdl_enter() -> Any:
+    """A TileLang macro for the first statement of a kernel body: under `pdl()` (see there) the wait for the
+    previous grid, then the signal that lets the next grid launch; nothing otherwise. Call it inside `T.Kernel`,
+    before any global memory access."""
+    _, T = tl()
+    on = pdl()
+
+    @T.macro
+    def enter():
+        if on:
+            T.pdl_sync()
+            T.pdl_trigger()
+
+    return enter
 
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -212,7 +240,9 @@ def _write_index(index: str, kernel: Any, func: Any) -> None:
 
 
 def memo(key: tuple, build: Callable[[], Any]) -> Any:
-    """The compiled kernel for `key`, built once per process; different keys may build in parallel threads."""
+    """The compiled kernel for `key` (and the current `pdl()`), built once per process; different keys may build in
+    parallel threads."""
+    key = key + (("pdl",) if pdl() else ())
     k = _kernels.get(key)
     if k is not None:
         return k
@@ -227,6 +257,7 @@ def memo(key: tuple, build: Callable[[], Any]) -> Any:
 
 
 def kernel_name(prefix: str, **params: Any) -> str:
-    """A deterministic C symbol for a kernel specialisation, e.g. gemm_n3072_k1024_bm128."""
+    """A deterministic C symbol for a kernel specialisation, e.g. gemm_n3072_k1024_bm128 (a `_pdl` suffix when
+    `pdl()`)."""
     parts = [prefix] + ["%s%s" % (k, str(v).replace(".", "p").replace("-", "m")) for k, v in params.items()]
-    return "_".join(parts)
+    return "_".join(parts + (["pdl"] if pdl() else []))

@@ -159,6 +159,7 @@ def build_attention(heads: int, window: int = 0, cfg: AttnConfig = DEFAULT, dtyp
     if cfg.overlap:
         return build_attention_overlap(heads, window, cfg, dtype)
     _, T = _tl.tl()
+    enter = _tl.pdl_enter()
     bm, bn = cfg.bm, cfg.bn
     Ttok = T.dynamic("Ttok")
     NC = T.dynamic("NC")
@@ -175,6 +176,7 @@ def build_attention(heads: int, window: int = 0, cfg: AttnConfig = DEFAULT, dtyp
         with T.Kernel(NT, heads, threads=cfg.threads) as (bt, bh):
             if cfg.occupancy:
                 T.annotate_min_blocks_per_sm(cfg.occupancy)
+            enter()
             Q_s = T.alloc_shared((bm, D), DT)
             K_s = T.alloc_shared((bn, D), DT)
             V_s = T.alloc_shared((bn, D), DT)
@@ -260,6 +262,7 @@ def build_attention_overlap(heads: int, window: int = 0, cfg: AttnConfig = OVERL
     this block's softmax runs; then the wait for PV, P_j to 16 bits and the accumulator's rescale. Block 0's QK^T
     runs before the loop, the last PV after it. No automatic thread-sync insertion: every sync is explicit."""
     tilelang, T = _tl.tl()
+    enter = _tl.pdl_enter()
     check_overlap_config(cfg)
     bm = bn = 64
     Ttok = T.dynamic("Ttok")
@@ -284,6 +287,7 @@ def build_attention_overlap(heads: int, window: int = 0, cfg: AttnConfig = OVERL
         with T.Kernel(NT, heads, threads=128) as (bt, bh):
             if cfg.occupancy:
                 T.annotate_min_blocks_per_sm(cfg.occupancy)
+            enter()
             Q_s = T.alloc_shared((bm, D), DT)
             K_s = T.alloc_shared((2, bn, D), DT)
             V_s = T.alloc_shared((2, bn, D), DT)

@@ -59,6 +59,7 @@ def build_geglu(Fd: int, K: int, cfg: GegluConfig = LARGE, dtype: str = "bfloat1
     if cfg.bn % 16 or cfg.bk % 16:
         raise ValueError("block_N and block_K must be multiples of 16")
     _, T = _tl.tl()
+    enter = _tl.pdl_enter()
     bm, bn, bk = cfg.bm, cfg.bn, cfg.bk
     M = T.dynamic("M")
     policy = T.GemmWarpPolicy.FullRow if cfg.full_row else T.GemmWarpPolicy.Square
@@ -90,6 +91,7 @@ def build_geglu(Fd: int, K: int, cfg: GegluConfig = LARGE, dtype: str = "bfloat1
             Cx = T.alloc_fragment((bm, bn), F32)
             Cg = T.alloc_fragment((bm, bn), F32)
             C_s = T.alloc_shared((bm, bn), DT)
+            enter()
             if cfg.persistent:
                 for by, bx in T.Persistent([T.ceildiv(M, bm), T.ceildiv(Fd, bn)], cfg.persistent, ids):
                     tile(A, Wi, C, A_s, Wx_s, Wg_s, Cx, Cg, C_s, bx, by)

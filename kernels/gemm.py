@@ -100,6 +100,7 @@ def build_gemm(N: int, K: int, bias: bool = False, act: str = "none", cfg: GemmC
     P = T.dynamic("P")
     policy = T.GemmWarpPolicy.FullRow if cfg.full_row else T.GemmWarpPolicy.Square
     IN, F32, I32 = in_dtype, _tl.F32, _tl.I32
+    enter = _tl.pdl_enter()
 
     @T.macro
     def tile(A, W, Bias, C, A_s, W_s, C_l, C_s, C_r, bx, by, Pos, Cos, Sin):
@@ -143,6 +144,7 @@ def build_gemm(N: int, K: int, bias: bool = False, act: str = "none", cfg: GemmC
             # a persistent block keeps every buffer live across its tiles, so a second staging tile does not fit
             # beside the pipeline (278 KB for 128x256x64s3): it rotates in place, with TileLang's barriers
             C_r = (C_s if cfg.persistent else T.alloc_shared((bm, bn), out_dtype)) if rope_cols else None
+            enter()
             if cfg.persistent:
                 for by, bx in T.Persistent([T.ceildiv(M, bm), T.ceildiv(N, bn)], cfg.persistent, ids):
                     tile(A, W, Bias, C, A_s, W_s, C_l, C_s, C_r, bx, by, Pos, Cos, Sin)

@@ -18,8 +18,7 @@ running on across tiles so the producer loads the next tile during this tile's e
 blocks in pairs on adjacent row blocks, each W tile loaded once and multicast into both (`empty` is then a cluster
 barrier). `GemmWSConfig.epilogue` says where the output is staged. Compiled with TileLang's automatic warp
 specialisation, pipelining and thread-sync insertion off: every synchronisation here is explicit. Measurements:
-see BENCHMARKS.md, "GPU fast path".
-"""
+BENCHMARKS.md, "GPU fast path"."""
 
 from dataclasses import dataclass
 
@@ -138,7 +137,7 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
         raise ValueError("a RoPE epilogue needs rope_cols a multiple of 64, no activation and a chunked epilogue")
     if geglu and (bias or act != "none"):
         raise ValueError("the GeGLU form takes no bias or activation")
-    tilelang, T = _tl.tl()
+    (tilelang, T), enter = _tl.tl(), _tl.pdl_enter()   # enter: the wait for the previous grid (_tl.pdl)
     bm, bn, bk, S = cfg.bm, cfg.bn, cfg.bk, cfg.stages
     hm = bm // 2                          # rows per consumer warpgroup
     DT, F32, I32 = dtype, _tl.F32, _tl.I32
@@ -392,6 +391,7 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
             if epi != "alias":
                 layouts.update({b: tilelang.layout.make_swizzled_layout(b) for b in (C0_s, C1_s)})
             T.annotate_layout(layouts)
+            enter()
             tx = T.get_thread_binding()
             lane = tx % 32
             if tx < PRODUCER_THREADS:

@@ -70,6 +70,7 @@ def build_add_ln(D: int, mode: str = "add", bias: bool = False, eps: float = 1e-
         raise ValueError("mode must be one of %s, got %r" % (MODES, mode))
     cfg = cfg or default_config(D)
     _, T = _tl.tl()
+    enter = _tl.pdl_enter()
     bm = cfg.bm
     M = T.dynamic("M")
     RD, F32 = r_dtype, _tl.F32
@@ -85,6 +86,7 @@ def build_add_ln(D: int, mode: str = "add", bias: bool = False, eps: float = 1e-
             t = T.alloc_fragment((bm, D), F32)
             mean = T.alloc_fragment((bm,), F32)
             var = T.alloc_fragment((bm,), F32)
+            enter()
             T.copy(X[bx * bm, 0], x)
             if residual:
                 T.copy(R[bx * bm, 0], t)

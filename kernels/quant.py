@@ -67,6 +67,7 @@ def build_quant(K: int, geglu: bool = False, in_dtype: str = _tl.BF16, cfg: Quan
     if K % cfg.bk:
         raise ValueError("K = %d must be a multiple of the chunk width %d" % (K, cfg.bk))
     _, T = _tl.tl()
+    enter = _tl.pdl_enter()
     bm, bk, nk = cfg.bm, cfg.bk, K // cfg.bk
     M = T.dynamic("M")
     F32 = _tl.F32
@@ -88,6 +89,7 @@ def build_quant(K: int, geglu: bool = False, in_dtype: str = _tl.BF16, cfg: Quan
             q = T.alloc_fragment((bm, bk), FP8)
             amax = T.alloc_fragment((bm, bk), F32)   # each thread's running maximum; one reduction at the end
             scale = T.alloc_fragment((bm,), F32)
+            enter()
             T.clear(amax)
             for k in T.serial(nk):
                 load(A, x, g, bx, k)

@@ -59,6 +59,7 @@ def rope_ref(qkv: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch
 def build_rope(heads: int, cfg: RopeConfig = RopeConfig(), dtype: str = "bfloat16"):
     """The TileLang PrimFunc main(QKV[M, 3*H*64] dtype, Pos[M] i32, Cos[P,32] f32, Sin[P,32] f32), in place."""
     _, T = _tl.tl()
+    enter = _tl.pdl_enter()
     bm = cfg.bm
     M = T.dynamic("M")
     P = T.dynamic("P")
@@ -70,6 +71,7 @@ def build_rope(heads: int, cfg: RopeConfig = RopeConfig(), dtype: str = "bfloat1
     def main(QKV: T.Tensor((M, W), DT), Pos: T.Tensor((M,), I32), Cos: T.Tensor((P, HALF), F32),
              Sin: T.Tensor((P, HALF), F32)):
         with T.Kernel(T.ceildiv(M, bm), threads=cfg.threads) as bx:
+            enter()
             for i, c in T.Parallel(bm, pairs):
                 r = bx * bm + i
                 if r < M:

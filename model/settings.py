@@ -86,6 +86,10 @@ _ALL = (
     Setting("LAYA_FLEET_TL_ARCH", "str", None,
             "TileLang target (`sm_90a`) for `laya-fleet precompile` on a machine without the GPU, "
             "such as an image build. Unset: the visible GPU's, else sm_90a."),
+    Setting("LAYA_FLEET_PDL", "bool", True,
+            "`fast` backend on Hopper: each TileLang kernel launches while the one before it finishes "
+            "(programmatic dependent launch) and waits for it before touching memory. 0 builds and runs "
+            "kernels without it (their own cache entries); `laya-fleet precompile` builds what this says."),
     Setting("LAYA_FLEET_API_KEY", "str", None,
             "Bearer key of the HTTP API, read from the variable the app's `api_key_env` names (this one in "
             "the shipped configs). Unset with `api_key_env` set: the ingress refuses to start."),

@@ -193,6 +193,27 @@ def test_the_heads_last_layer_on_gathered_rows_answers_like_the_eager_model(engi
     assert sum(len(r.markers) + 1 for r in repeated) > Tb and ff._stage(repeated, Tb)[1] == Tb
 
 
+def test_the_pdl_setting_reaches_the_kernels(monkeypatch):
+    """$LAYA_FLEET_PDL decides whether the kernels the fast backend builds use programmatic dependent launch; a
+    value that is not a boolean is an error naming the variable, not a silent default."""
+    import os
+
+    from kernels import _tl
+    from model.backends.fast import configure_tilelang
+
+    monkeypatch.setattr(_tl, "_config", dict(_tl._config))
+    monkeypatch.setenv("TILELANG_CACHE_DIR", os.environ.get("TILELANG_CACHE_DIR", ""))
+    monkeypatch.delenv("LAYA_FLEET_PDL", raising=False)
+    configure_tilelang("sm_90a")
+    assert _tl.pdl()
+    monkeypatch.setenv("LAYA_FLEET_PDL", "0")
+    configure_tilelang("sm_90a")
+    assert not _tl.pdl()
+    monkeypatch.setenv("LAYA_FLEET_PDL", "sometimes")
+    with pytest.raises(ValueError, match="LAYA_FLEET_PDL"):
+        configure_tilelang("sm_90a")
+
+
 def test_auto_falls_back_to_eager_without_cuda(tiny_checkpoint):
     import model
 
@@ -326,6 +347,28 @@ def test_fast_gpu_a_launched_forward_equals_the_forward_and_frees_the_lock(fast_
         many.append(rows[len(many) % len(rows)])
         total += len(many[-1])
     assert fast_gpu.launch(many) is None
+
+
+@gpu
+@needs_tilelang
+def test_fast_gpu_kernels_answer_the_same_with_and_without_pdl(bundle, fast_gpu, rows, monkeypatch):
+    """Programmatic dependent launch (the default) changes when a kernel starts, never what it computes: the forward
+    with every kernel built and launched without it gives the same answers bit for bit, graphs and eager tails."""
+    from model.backends.fast import configure_tilelang
+
+    monkeypatch.setenv("LAYA_FLEET_PDL", "0")
+    try:
+        plain = make_backend(load_model(bundle), bundle, torch.device("cuda"), max_batch_tokens=4096)
+        plain.warmup(4096)
+        for n in (1, 3, 11, len(rows)):
+            la, pa = plain.forward(rows[:n])
+            lb, pb = fast_gpu.forward(rows[:n])
+            np.testing.assert_array_equal(la, lb)
+            np.testing.assert_array_equal(pa, pb)
+        assert plain.stats.captures_after_warmup == 0
+    finally:
+        monkeypatch.delenv("LAYA_FLEET_PDL")
+        configure_tilelang()
 
 
 @gpu

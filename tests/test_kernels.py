@@ -25,7 +25,7 @@ def use_tilelang(monkeypatch, cache_dir: str | None = None, arch: str | None = N
     from model.cache import local_dir
 
     cache_dir = cache_dir or local_dir("tilelang")
-    monkeypatch.setattr(_tl, "_config", {"cache_dir": cache_dir, "arch": arch})
+    monkeypatch.setattr(_tl, "_config", {"cache_dir": cache_dir, "arch": arch, "pdl": True})
     monkeypatch.setenv("TILELANG_CACHE_DIR", cache_dir)
 
 
@@ -138,6 +138,29 @@ def test_kernels_compile_for_hopper(monkeypatch):
 
 
 @needs_tilelang
+def test_kernels_wait_for_the_previous_grid_before_any_role_starts(monkeypatch):
+    """Under programmatic dependent launch a kernel may start before its predecessor ends: every thread must pass
+    griddepcontrol.wait before its role (producer or consumer warps) touches memory, and only then signal the next
+    grid. Without it (pdl=False) neither call is emitted."""
+    from kernels import gemm_manual
+
+    use_sm90(monkeypatch)
+    srcs = {"manual": gemm_manual.gemm_manual_kernel(1024, 1024, gemm_manual.GemmWSConfig(), True).get_kernel_source(),
+            "gemm": gemm.gemm_kernel(1024, 1024, True, "none", gemm.SMALL).get_kernel_source(),
+            "attention": attention.attention_kernel(2, 64).get_kernel_source(),
+            "add_ln": layernorm.add_ln_kernel(128, "add", False, 1e-5, torch.bfloat16).get_kernel_source()}
+    for name, src in srcs.items():
+        wait = src.find("cudaGridDependencySynchronize();")
+        trigger = src.find("cudaTriggerProgrammaticLaunchCompletion();")
+        assert src.count("cudaGridDependencySynchronize();") == 1 and 0 < wait < trigger, name
+        role = src.find("threadIdx.x) < 128")
+        assert role == -1 or wait < role, name
+    monkeypatch.setitem(_tl._config, "pdl", False)
+    plain = layernorm.add_ln_kernel(128, "add", False, 1e-5, torch.bfloat16).get_kernel_source()
+    assert "cudaGridDependency" not in plain and "cudaTriggerProgrammatic" not in plain
+
+
+@needs_tilelang
 def test_fp16_kernels_compile_for_hopper_with_half_operands(monkeypatch):
     """act_dtype fp16: every kernel of the forward compiles for sm_90a with fp16 operands (tensor-core products
     on half inputs, fp32 accumulation), under names of their own; the bf16 kernels keep theirs."""
@@ -154,8 +177,8 @@ def test_fp16_kernels_compile_for_hopper_with_half_operands(monkeypatch):
     rp = rope.rope_kernel(16, dtype=f16).get_kernel_source()
     assert "half_t" in rp and "bfloat16_t" not in rp
     bf = attention.attention_kernel(16, 64, attention.DEFAULT).get_kernel_source()
-    assert "kBFloat16" in bf and "lf_attn_h16_w64_c64x64s1t128gnlv_kernel" in bf
-    assert "lf_attn_h16_w64_c64x64s1t128gnlv_ifloat16_kernel" in at
+    assert "kBFloat16" in bf and "lf_attn_h16_w64_c64x64s1t128gnlv_pdl_kernel" in bf
+    assert "lf_attn_h16_w64_c64x64s1t128gnlv_ifloat16_pdl_kernel" in at
 
 
 @needs_tilelang
@@ -570,3 +593,29 @@ def test_kernels_read_no_project_setting_and_the_target_comes_from_configure(mon
     monkeypatch.setattr(_tl, "_config", dict(_tl._config))
     _tl.configure(arch="sm_80")
     assert _tl.target() == {"kind": "cuda", "arch": "sm_80"}
+
+
+def test_pdl_is_set_by_configure_and_keeps_both_builds_apart(monkeypatch):
+    """Programmatic dependent launch is on by default from sm_90 (Hopper) up, off below it and when configured
+    off; a kernel built each way has its own name (its cache entries) and its own memo entry, so one process can
+    hold both (bench/pdl_ab.py does)."""
+    monkeypatch.setattr(_tl, "_config", dict(_tl._config))
+    monkeypatch.setattr(_tl, "_kernels", {})
+    builds = []
+
+    def build():
+        builds.append(_tl.pdl())
+        return object()
+
+    _tl.configure(arch="sm_90a")
+    assert _tl.pdl() and _tl.settings()["pdl"] is True
+    assert _tl.kernel_name("lf_x", n=3) == "lf_x_n3_pdl"
+    on = _tl.memo(("x",), build)
+    assert _tl.memo(("x",), build) is on
+    _tl.configure(arch="sm_90a", pdl=False)
+    assert not _tl.pdl() and _tl.kernel_name("lf_x", n=3) == "lf_x_n3"
+    off = _tl.memo(("x",), build)
+    assert off is not on and builds == [True, False]
+    _tl.configure(arch="sm_80", pdl=True)   # Ampere has no griddepcontrol: built without, named without
+    assert not _tl.pdl() and _tl.kernel_name("lf_x", n=3) == "lf_x_n3"
+    assert _tl.memo(("x",), build) is off

@@ -1,0 +1,167 @@
+"""Programmatic dependent launch, on and off: the fast forward with every TileLang kernel built both ways
+($LAYA_FLEET_PDL), on the same rows in one process, alternated round by round.
+
+With it, each kernel of the forward's CUDA graph launches while the one before it finishes and waits for it
+(griddepcontrol.wait) before touching memory, so launch and set-up overlap the previous kernel's tail; a small
+forward is a chain of ~250 short kernels. Per workload of bench/fast_path.py (1 state x 1 question, 1 x 3, 10 x 3
+at 512 tokens, the offline rows in one backend call): predict's and the forward's median ms, or forward tokens/s,
+per round; the two engines' outputs compared (the same kernels' arithmetic: they should agree exactly); captures
+after warm-up. Prints a table, writes JSON and a PNG beside it.
+
+    python3 bench/pdl_ab.py --checkpoint /tmp/ck_large --out $OUT/pdl_ab.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from bench.fastpath.common import timed  # noqa: E402
+from bench.fastpath.workloads import rows_of, workloads  # noqa: E402
+
+VARIANTS = (("pdl off", "0"), ("pdl on", "1"))
+LATENCY = ("1x1", "1x3", "10x3@512")
+
+
+def load(ckpt: str, flag: str, device: str, max_tokens: int):
+    """A warmed fast engine whose kernels were built with $LAYA_FLEET_PDL=flag (read when the backend is made)."""
+    import model
+
+    os.environ["LAYA_FLEET_PDL"] = flag
+    extra = {"ops": "torch"} if device == "cpu" else {}
+    t = time.perf_counter()
+    eng = model.load(ckpt, device=device, backend="fast", max_batch_tokens=max_tokens, **extra)
+    w = eng.warmup(max_tokens)
+    return eng, {"load_s": time.perf_counter() - t - w, "warmup_s": w}
+
+
+def measure(eng, wl: dict, offline_rows: list) -> dict:
+    """One round of every workload on one engine."""
+    out = {}
+    for name in LATENCY:
+        states, qs = wl[name]
+        rows, _ = rows_of(eng, [(states, qs)])
+        if len(states) == 1:
+            e2e = timed(lambda s=states[0], qs=qs: eng.predict(s, qs), iters=40)
+        else:
+            e2e = timed(lambda s=states, qs=qs: eng.predict_batch(s, qs), iters=40)
+        fwd = timed(lambda rows=rows: eng.backend.forward(rows), iters=40)
+        out[name] = {"e2e_ms": e2e["ms"], "fwd_ms": fwd["ms"], "tokens": sum(len(r) for r in rows)}
+    tok = sum(len(r) for r in offline_rows)
+    eng.backend.forward(offline_rows[:256])
+    t = time.perf_counter()
+    eng.backend.forward(offline_rows)
+    out["offline"] = {"fwd_tok_s": tok / (time.perf_counter() - t), "tokens": tok}
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--offline-states", type=int, default=2048)
+    p.add_argument("--max-tokens", type=int, default=65536, help="the engines' largest bucket")
+    p.add_argument("--device", default="cuda", help="cpu: a dry run of the script on the fast path's torch ops")
+    p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "pdl_ab.json"))
+    a = p.parse_args(argv)
+    if a.rounds < 1:
+        p.error("--rounds must be at least 1")
+    import numpy as np
+
+    res = {"checkpoint": a.checkpoint, "commit": os.environ.get("LAYA_FLEET_COMMIT"), "rounds": [],
+           "engines": {}}
+    engines = {}
+    for name, flag in VARIANTS:
+        engines[name], info = load(a.checkpoint, flag, a.device, a.max_tokens)
+        res["engines"][name] = info
+        print("%s: loaded in %.1f s, warm-up %.1f s" % (name, info["load_s"], info["warmup_s"]), flush=True)
+    wl = workloads(offline_states=a.offline_states)
+    first = engines[VARIANTS[0][0]]
+    offline_rows = sorted(rows_of(first, [wl["offline"]])[0], key=len)
+    # the same rows through both: the kernels differ only in how they are launched
+    agree = {}
+    for wname, rows in (("10x3@512", rows_of(first, [wl["10x3@512"]])[0]), ("offline", offline_rows)):
+        outs = [engines[n].backend.forward(rows) for n, _ in VARIANTS]
+        agree[wname] = {"max_abs_logit_diff": float(np.max(np.abs(outs[0][0] - outs[1][0]))),
+                        "max_abs_p0_diff": float(np.max(np.abs(outs[0][1] - outs[1][1])))}
+    res["agreement"] = agree
+    print("agreement: %s" % agree, flush=True)
+    for r in range(a.rounds):
+        order = VARIANTS if r % 2 == 0 else VARIANTS[::-1]
+        rnd = {}
+        for name, _ in order:
+            rnd[name] = measure(engines[name], wl, offline_rows)
+            print("round %d %s: %s" % (r, name, json.dumps(rnd[name])), flush=True)
+        res["rounds"].append(rnd)
+    for name, _ in VARIANTS:
+        st = engines[name].backend.stats.as_dict()
+        res["engines"][name]["captures_after_warmup"] = st.get("captures_after_warmup")
+    res["summary"] = summary(res)
+    print(table(res))
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out, "w") as fh:
+        json.dump(res, fh, indent=1)
+    plot(res, os.path.splitext(a.out)[0] + ".png")
+    return 0
+
+
+def summary(res: dict) -> dict:
+    """Medians over rounds per variant: e2e and forward ms per latency workload, offline forward tokens/s."""
+    out = {}
+    for name, _ in VARIANTS:
+        rs = [r[name] for r in res["rounds"]]
+        s = {w: {k: statistics.median(r[w][k] for r in rs) for k in ("e2e_ms", "fwd_ms")} for w in LATENCY}
+        s["offline"] = {"fwd_tok_s": statistics.median(r["offline"]["fwd_tok_s"] for r in rs)}
+        out[name] = s
+    return out
+
+
+def table(res: dict) -> str:
+    s = res["summary"]
+    off, on = (s[n] for n, _ in VARIANTS)
+    lines = ["| workload (median of %d rounds) | pdl off | pdl on | on / off |" % len(res["rounds"]),
+             "|---|---|---|---|"]
+    for w in LATENCY:
+        for k, label in (("e2e_ms", "predict ms"), ("fwd_ms", "forward ms")):
+            lines.append("| %s %s | %.3f | %.3f | %.3f |" % (w, label, off[w][k], on[w][k], on[w][k] / off[w][k]))
+    a, b = off["offline"]["fwd_tok_s"], on["offline"]["fwd_tok_s"]
+    lines.append("| offline forward tokens/s | %.0f | %.0f | %.3f |" % (a, b, b / a))
+    return "\n".join(lines)
+
+
+def plot(res: dict, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    s = res["summary"]
+    labels = ["%s %s" % (w, k.split("_")[0]) for w in LATENCY for k in ("e2e_ms", "fwd_ms")] + ["offline tok/s"]
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    base = s[VARIANTS[0][0]]
+    for i, (name, _) in enumerate(VARIANTS):
+        v = s[name]
+        ratio = [v[w][k] / base[w][k] for w in LATENCY for k in ("e2e_ms", "fwd_ms")]
+        ratio.append(v["offline"]["fwd_tok_s"] / base["offline"]["fwd_tok_s"])
+        ax.bar([x + 0.4 * i for x in range(len(labels))], ratio, width=0.4, label=name)
+    ax.set_xticks([x + 0.2 for x in range(len(labels))])
+    ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("relative to pdl off (ms: lower is better)")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
