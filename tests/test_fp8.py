@@ -166,7 +166,7 @@ def test_the_quantisation_kernels_compile_for_hopper_one_reduction_a_row(monkeyp
 
     from kernels import _tl
 
-    monkeypatch.setattr(_tl, "_config", {"cache_dir": str(tmp_path), "arch": "sm_90a"})
+    monkeypatch.setattr(_tl, "_config", {"cache_dir": str(tmp_path), "arch": "sm_90a", "pdl": True})
     monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path))
     cfg = quant.DEFAULT
     src = quant.quant_kernel(K, geglu).get_kernel_source()
@@ -207,7 +207,7 @@ def test_the_norm_with_an_e4m3_output_compiles_for_hopper(monkeypatch, tmp_path)
 
     from kernels import _tl, layernorm
 
-    monkeypatch.setattr(_tl, "_config", {"cache_dir": str(tmp_path), "arch": "sm_90a"})
+    monkeypatch.setattr(_tl, "_config", {"cache_dir": str(tmp_path), "arch": "sm_90a", "pdl": True})
     monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path))
     src = layernorm.add_ln_kernel(1024, "add", False, 1e-5, torch.float8_e4m3fn).get_kernel_source()
     assert "__NV_SATFINITE, __NV_E4M3" in src and re.search(r"\bS\[", src) and src.count("AllReduce<tl::MaxOp") == 1

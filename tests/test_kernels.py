@@ -202,14 +202,14 @@ def test_attention_without_warp_specialisation_compiles_for_hopper(monkeypatch, 
     lean = attention.attention_kernel(16, window, attention.LEAN).get_kernel_source()
     assert re.findall(r"__launch_bounds__\((\d+)", lean) == [str(attention.LEAN.threads)]
     assert "(0 < ki) ? 1 : 0" in lean and "(0 < ki) ? 1 : 0" not in src
-    assert "lf_attn_h16_w%d_c64x64s1t128gnl_kernel" % window in lean
+    assert "lf_attn_h16_w%d_c64x64s1t128gnl_pdl_kernel" % window in lean
     # the overlapped form: K and V through TMA into two-slot rings (Q, the first K/V and the second K before the
     # loop, V_j and K_{j+1} in it), QK^T waited for while PV stays in flight, one block-wide sync a key block
     # (plus the barrier init's and the epilogue's), no cp.async, and ptxas asked for nothing (one warpgroup)
     ov = attention.attention_kernel(16, window, attention.OVERLAP).get_kernel_source()
     assert ov.count("tl::tma_load(QKV_desc") == 6 and "cp_async" not in ov
     assert "wait_wgmma<1>" in ov and "wgmma_rs" in ov and ov.count("__syncthreads()") == 3
-    assert "lf_attn_h16_w%d_c64x64s1t128gnlv_kernel" % window in ov
+    assert "lf_attn_h16_w%d_c64x64s1t128gnlv_pdl_kernel" % window in ov
     o5 = attention.attention_kernel(16, window, attention.AttnConfig(guard=True, ws=False, lean=True, occupancy=5))
     assert "__launch_bounds__(128, 5)" in o5.get_kernel_source()
     with pytest.raises(ValueError, match="overlapped"):
