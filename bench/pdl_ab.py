@@ -1,12 +1,14 @@
-"""Programmatic dependent launch, on and off: the fast forward with every TileLang kernel built both ways
-($LAYA_FLEET_PDL), on the same rows in one process, alternated round by round.
+"""Programmatic dependent launch, off, on, and on with the small-batch GEMMs' weight prefetch: the fast forward
+with its TileLang kernels built each way ($LAYA_FLEET_PDL, $LAYA_FLEET_PREFETCH_WEIGHTS), on the same rows in one
+process, alternated round by round.
 
 With it, each kernel of the forward's CUDA graph launches while the one before it finishes and waits for it
 (griddepcontrol.wait) before touching memory, so launch and set-up overlap the previous kernel's tail; a small
-forward is a chain of ~250 short kernels. Per workload of bench/fast_path.py (1 state x 1 question, 1 x 3, 10 x 3
+forward is a chain of ~250 short kernels. The prefetch asks L2 for a GEMM block's weight rows before that wait, so
+they stream while the previous kernel finishes. Per workload of bench/fast_path.py (1 state x 1 question, 1 x 3, 10 x 3
 at 512 tokens, the offline rows in one backend call): predict's and the forward's median ms, or forward tokens/s,
-per round; the two engines' outputs compared (the same kernels' arithmetic: they should agree exactly); captures
-after warm-up. Prints a table, writes JSON and a PNG beside it.
+per round; the engines' outputs compared with the first's (the same kernels' arithmetic: they should agree
+exactly); captures after warm-up. Prints a table, writes JSON and a PNG beside it.
 
     python3 bench/pdl_ab.py --checkpoint /tmp/ck_large --out $OUT/pdl_ab.json
 """
@@ -27,15 +29,17 @@ if ROOT not in sys.path:
 from bench.fastpath.common import timed  # noqa: E402
 from bench.fastpath.workloads import rows_of, workloads  # noqa: E402
 
-VARIANTS = (("pdl off", "0"), ("pdl on", "1"))
+VARIANTS = (("pdl off", {"LAYA_FLEET_PDL": "0"}),
+            ("pdl", {"LAYA_FLEET_PDL": "1", "LAYA_FLEET_PREFETCH_WEIGHTS": "0"}),
+            ("pdl + prefetch", {"LAYA_FLEET_PDL": "1", "LAYA_FLEET_PREFETCH_WEIGHTS": "1"}))
 LATENCY = ("1x1", "1x3", "10x3@512")
 
 
-def load(ckpt: str, flag: str, device: str, max_tokens: int):
-    """A warmed fast engine whose kernels were built with $LAYA_FLEET_PDL=flag (read when the backend is made)."""
+def load(ckpt: str, env: dict, device: str, max_tokens: int):
+    """A warmed fast engine whose kernels were built under `env` (read when the backend is made)."""
     import model
 
-    os.environ["LAYA_FLEET_PDL"] = flag
+    os.environ.update(env)
     extra = {"ops": "torch"} if device == "cpu" else {}
     t = time.perf_counter()
     eng = model.load(ckpt, device=device, backend="fast", max_batch_tokens=max_tokens, **extra)
@@ -79,8 +83,8 @@ def main(argv=None) -> int:
     res = {"checkpoint": a.checkpoint, "commit": os.environ.get("LAYA_FLEET_COMMIT"), "rounds": [],
            "engines": {}}
     engines = {}
-    for name, flag in VARIANTS:
-        engines[name], info = load(a.checkpoint, flag, a.device, a.max_tokens)
+    for name, env in VARIANTS:
+        engines[name], info = load(a.checkpoint, env, a.device, a.max_tokens)
         res["engines"][name] = info
         print("%s: loaded in %.1f s, warm-up %.1f s" % (name, info["load_s"], info["warmup_s"]), flush=True)
     wl = workloads(offline_states=a.offline_states)
@@ -90,12 +94,12 @@ def main(argv=None) -> int:
     agree = {}
     for wname, rows in (("10x3@512", rows_of(first, [wl["10x3@512"]])[0]), ("offline", offline_rows)):
         outs = [engines[n].backend.forward(rows) for n, _ in VARIANTS]
-        agree[wname] = {"max_abs_logit_diff": float(np.max(np.abs(outs[0][0] - outs[1][0]))),
-                        "max_abs_p0_diff": float(np.max(np.abs(outs[0][1] - outs[1][1])))}
+        agree[wname] = {"max_abs_logit_diff": max(float(np.max(np.abs(outs[0][0] - o[0]))) for o in outs[1:]),
+                        "max_abs_p0_diff": max(float(np.max(np.abs(outs[0][1] - o[1]))) for o in outs[1:])}
     res["agreement"] = agree
     print("agreement: %s" % agree, flush=True)
     for r in range(a.rounds):
-        order = VARIANTS if r % 2 == 0 else VARIANTS[::-1]
+        order = VARIANTS[r % len(VARIANTS):] + VARIANTS[:r % len(VARIANTS)]
         rnd = {}
         for name, _ in order:
             rnd[name] = measure(engines[name], wl, offline_rows)
@@ -126,14 +130,18 @@ def summary(res: dict) -> dict:
 
 def table(res: dict) -> str:
     s = res["summary"]
-    off, on = (s[n] for n, _ in VARIANTS)
-    lines = ["| workload (median of %d rounds) | pdl off | pdl on | on / off |" % len(res["rounds"]),
-             "|---|---|---|---|"]
+    names = [n for n, _ in VARIANTS]
+    base = s[names[0]]
+    lines = ["| workload (median of %d rounds) | %s | %s |" % (
+                 len(res["rounds"]), " | ".join(names), " | ".join("%s / %s" % (n, names[0]) for n in names[1:])),
+             "|---" * (2 * len(names)) + "|"]
     for w in LATENCY:
         for k, label in (("e2e_ms", "predict ms"), ("fwd_ms", "forward ms")):
-            lines.append("| %s %s | %.3f | %.3f | %.3f |" % (w, label, off[w][k], on[w][k], on[w][k] / off[w][k]))
-    a, b = off["offline"]["fwd_tok_s"], on["offline"]["fwd_tok_s"]
-    lines.append("| offline forward tokens/s | %.0f | %.0f | %.3f |" % (a, b, b / a))
+            lines.append("| %s %s | %s | %s |" % (w, label, " | ".join("%.3f" % s[n][w][k] for n in names),
+                                                  " | ".join("%.3f" % (s[n][w][k] / base[w][k]) for n in names[1:])))
+    tok = [s[n]["offline"]["fwd_tok_s"] for n in names]
+    lines.append("| offline forward tokens/s | %s | %s |" % (" | ".join("%.0f" % t for t in tok),
+                                                            " | ".join("%.3f" % (t / tok[0]) for t in tok[1:])))
     return "\n".join(lines)
 
 
@@ -149,12 +157,13 @@ def plot(res: dict, path: str) -> None:
     labels = ["%s %s" % (w, k.split("_")[0]) for w in LATENCY for k in ("e2e_ms", "fwd_ms")] + ["offline tok/s"]
     fig, ax = plt.subplots(figsize=(8, 4.5))
     base = s[VARIANTS[0][0]]
+    width = 0.8 / len(VARIANTS)
     for i, (name, _) in enumerate(VARIANTS):
         v = s[name]
         ratio = [v[w][k] / base[w][k] for w in LATENCY for k in ("e2e_ms", "fwd_ms")]
         ratio.append(v["offline"]["fwd_tok_s"] / base["offline"]["fwd_tok_s"])
-        ax.bar([x + 0.4 * i for x in range(len(labels))], ratio, width=0.4, label=name)
-    ax.set_xticks([x + 0.2 for x in range(len(labels))])
+        ax.bar([x + width * i for x in range(len(labels))], ratio, width=width, label=name)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(labels))])
     ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=8)
     ax.set_ylabel("relative to pdl off (ms: lower is better)")
     ax.axhline(1.0, color="grey", lw=0.8)

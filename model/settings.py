@@ -90,6 +90,10 @@ _ALL = (
             "`fast` backend on Hopper: each TileLang kernel launches while the one before it finishes "
             "(programmatic dependent launch) and waits for it before touching memory. 0 builds and runs "
             "kernels without it (their own cache entries); `laya-fleet precompile` builds what this says."),
+    Setting("LAYA_FLEET_PREFETCH_WEIGHTS", "bool", True,
+            "`fast` backend with `LAYA_FLEET_PDL`: the GEMMs of small batches (a tile a block) ask L2 for "
+            "their weight rows before waiting for the previous kernel, so the weights stream while it "
+            "finishes. 0 builds them without (their own cache entries)."),
     Setting("LAYA_FLEET_API_KEY", "str", None,
             "Bearer key of the HTTP API, read from the variable the app's `api_key_env` names (this one in "
             "the shipped configs). Unset with `api_key_env` set: the ingress refuses to start."),

@@ -194,8 +194,9 @@ def test_the_heads_last_layer_on_gathered_rows_answers_like_the_eager_model(engi
 
 
 def test_the_pdl_setting_reaches_the_kernels(monkeypatch):
-    """$LAYA_FLEET_PDL decides whether the kernels the fast backend builds use programmatic dependent launch; a
-    value that is not a boolean is an error naming the variable, not a silent default."""
+    """$LAYA_FLEET_PDL decides whether the kernels the fast backend builds use programmatic dependent launch, and
+    $LAYA_FLEET_PREFETCH_WEIGHTS whether the small-batch GEMMs then prefetch their weights; a value that is not a
+    boolean is an error naming the variable, not a silent default."""
     import os
 
     from kernels import _tl
@@ -206,9 +207,13 @@ def test_the_pdl_setting_reaches_the_kernels(monkeypatch):
     monkeypatch.delenv("LAYA_FLEET_PDL", raising=False)
     configure_tilelang("sm_90a")
     assert _tl.pdl()
-    monkeypatch.setenv("LAYA_FLEET_PDL", "0")
+    monkeypatch.setenv("LAYA_FLEET_PREFETCH_WEIGHTS", "0")
     configure_tilelang("sm_90a")
-    assert not _tl.pdl()
+    assert _tl.pdl() and not _tl.prefetch_weights()
+    monkeypatch.setenv("LAYA_FLEET_PDL", "0")
+    monkeypatch.delenv("LAYA_FLEET_PREFETCH_WEIGHTS")
+    configure_tilelang("sm_90a")
+    assert not _tl.pdl() and not _tl.prefetch_weights()
     monkeypatch.setenv("LAYA_FLEET_PDL", "sometimes")
     with pytest.raises(ValueError, match="LAYA_FLEET_PDL"):
         configure_tilelang("sm_90a")

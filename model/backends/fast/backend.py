@@ -34,11 +34,12 @@ DEFAULT_MAX_BATCH_TOKENS = 16384
 def configure_tilelang(arch: str | None = None) -> None:
     """Point TileLang's kernel cache at this node's local cache dir (`model.cache.local_dir("tilelang")`) and
     set the target: `arch`, else $LAYA_FLEET_TL_ARCH, else the visible GPU's; kernels use programmatic dependent
-    launch unless $LAYA_FLEET_PDL is 0."""
+    launch unless $LAYA_FLEET_PDL is 0, and then small-batch GEMMs prefetch their weights unless
+    $LAYA_FLEET_PREFETCH_WEIGHTS is 0."""
     from model.cache import local_dir
 
     _tl.configure(cache_dir=local_dir("tilelang"), arch=arch or settings.get("LAYA_FLEET_TL_ARCH"),
-                  pdl=settings.get("LAYA_FLEET_PDL"))
+                  pdl=settings.get("LAYA_FLEET_PDL"), prefetch=settings.get("LAYA_FLEET_PREFETCH_WEIGHTS"))
 
 
 @dataclass
