@@ -67,7 +67,7 @@ def sweep_specs(shape: str = "modernbert-large") -> list[tuple[str, tuple]]:
     """Every candidate config of every GEMM shape of `shape` (with the bias / activation variants the head uses,
     since a winner runs there too), every attention candidate, the hand-warp-specialised alternatives in each
     product of the forward, and every add+LN candidate."""
-    from model.backends.fast.forward import kernel_specs
+    from model.backends.fast.specs import kernel_specs
 
     dims = shape_dims(shape)
     d, ffn = dims["d"], dims["ffn"]

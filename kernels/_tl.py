@@ -7,13 +7,14 @@ build for with `configure(cache_dir=..., arch=...)`; kernels read no environment
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import json
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 BF16 = "bfloat16"
@@ -34,19 +35,17 @@ _lock = threading.RLock()
 _kernels: dict[tuple, Any] = {}
 _building: dict[tuple, threading.Lock] = {}
 _mod: tuple[Any, Any] | None = None
-_config: dict[str, Any] = {"cache_dir": None, "arch": None, "pdl": True, "prefetch": True}
+_config: dict[str, Any] = {"cache_dir": None, "arch": None, "pdl": True}
 
 
-def configure(cache_dir: str | None = None, arch: str | None = None, pdl: bool = True,
-              prefetch: bool = True) -> dict[str, Any]:
-    """Set TileLang's kernel cache directory, the target arch (`sm_90a`; None: the visible GPU's, else sm_90a),
-    whether kernels built from now on use programmatic dependent launch (`pdl`, see `pdl()`) and whether the
-    small-tile GEMMs then prefetch their weights (`prefetch`, see `prefetch_weights()`); returns the previous
+def configure(cache_dir: str | None = None, arch: str | None = None, pdl: bool = True) -> dict[str, Any]:
+    """Set TileLang's kernel cache directory, the target arch (`sm_90a`; None: the visible GPU's, else sm_90a) and
+    whether kernels built from now on use programmatic dependent launch (`pdl`, see `pdl()`); returns the previous
     settings. A cache dir set after tilelang's import still applies: tilelang reads its variable on every cache
     access."""
     with _lock:
         old = dict(_config)
-        _config.update(cache_dir=cache_dir, arch=arch, pdl=bool(pdl), prefetch=bool(prefetch))
+        _config.update(cache_dir=cache_dir, arch=arch, pdl=bool(pdl))
         if cache_dir:
             os.environ["TILELANG_CACHE_DIR"] = cache_dir
         return old
@@ -57,44 +56,37 @@ def settings() -> dict[str, Any]:
     return dict(_config)
 
 
-def pdl() -> bool:
-    """Whether kernels built now use programmatic dependent launch (Hopper and later): each kernel waits for the
-    previous grid (griddepcontrol.wait) before touching memory and lets the next one launch right after that, so a
-    kernel's launch and set-up overlap its predecessor's tail. A launch of either kind after either kind is correct:
-    the wait comes before every memory access, and kernels without it launch only after their predecessor ends."""
+_scope = threading.local()
+
+
+def pdl_arch(arch: str | None = None) -> bool:
+    """Whether kernels for `arch` (default: the target's) may use programmatic dependent launch: configured on
+    (`configure(pdl=...)`) and Hopper or later."""
     if not _config["pdl"]:
         return False
-    digits = "".join(c for c in target()["arch"].split("_")[-1] if c.isdigit())
+    digits = "".join(c for c in (arch or target()["arch"]).split("_")[-1] if c.isdigit())
     return bool(digits) and int(digits) >= 90
 
 
-def prefetch_weights() -> bool:
-    """Whether the one-tile-per-block GEMMs built now (few rows: weight-bound) start their weight slice's trip to L2
-    before waiting for the previous grid under `pdl()`, so it streams while that grid finishes."""
-    return pdl() and bool(_config.get("prefetch", True))
+def pdl() -> bool:
+    """Whether kernels built or looked up now (on this thread) use programmatic dependent launch: each kernel waits
+    for the previous grid (griddepcontrol.wait) before touching memory and lets the next one launch right after
+    that, so a kernel's launch and set-up overlap its predecessor's tail. `pdl_arch()`, unless `pdl_scope(False)`
+    holds. A launch of either kind after either kind is correct: the wait comes before every memory access, and
+    kernels without it launch only after their predecessor ends."""
+    return getattr(_scope, "on", True) and pdl_arch()
 
 
-# cp.async.bulk.prefetch.L2 (sm_90): one instruction asks L2 for a contiguous, 16-byte aligned range
-PREFETCH_L2_SRC = """
-__device__ __forceinline__ void lf_prefetch_l2(const void* base, long long offset, int bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;"
-               : : "l"((const char*)base + offset), "r"(bytes) : "memory");
-}
-"""
-
-
-def prefetch_rows() -> Any:
-    """A TileLang macro `prefetch(W, offset, nbytes, leader)`: when `leader` (one thread of one block per slice), ask
-    L2 for `nbytes` of weight W from byte `offset` on (the kernel passes `PREFETCH_L2_SRC` as its prelude). W goes
-    by its data pointer: an element address would pin W's element type, which TileLang may widen to vectors."""
-    _, T = tl()
-
-    @T.macro
-    def prefetch(W, offset, nbytes, leader):
-        if leader:
-            T.call_extern("handle", "lf_prefetch_l2", W.data, T.Cast("int64", offset), nbytes)
-
-    return prefetch
+@contextlib.contextmanager
+def pdl_scope(on: bool) -> Iterator[None]:
+    """Kernels built or looked up on this thread inside use programmatic dependent launch only if `on` (and
+    `pdl_arch()`): the fast forward's large batches run the plain builds."""
+    prev = getattr(_scope, "on", True)
+    _scope.on = bool(on)
+    try:
+        yield
+    finally:
+        _scope.on = prev
 
 
 def pdl_enter() -> Any:

@@ -59,8 +59,7 @@ def build_geglu(Fd: int, K: int, cfg: GegluConfig = LARGE, dtype: str = "bfloat1
     if cfg.bn % 16 or cfg.bk % 16:
         raise ValueError("block_N and block_K must be multiples of 16")
     _, T = _tl.tl()
-    enter, prefetch = _tl.pdl_enter(), _tl.prefetch_rows()
-    pf = _tl.prefetch_weights() and not cfg.persistent   # a tile a block: few rows, the weights dominate
+    enter = _tl.pdl_enter()
     bm, bn, bk = cfg.bm, cfg.bn, cfg.bk
     M = T.dynamic("M")
     policy = T.GemmWarpPolicy.FullRow if cfg.full_row else T.GemmWarpPolicy.Square
@@ -85,17 +84,13 @@ def build_geglu(Fd: int, K: int, cfg: GegluConfig = LARGE, dtype: str = "bfloat1
     def main(A: T.Tensor((M, K), DT), Wi: T.Tensor((2 * Fd, K), DT), C: T.Tensor((M, Fd), DT)):
         # one block per output tile, or cfg.persistent blocks walking the tiles (T.Persistent)
         grid = (cfg.persistent,) if cfg.persistent else (T.ceildiv(Fd, bn), T.ceildiv(M, bm))
-        with T.Kernel(*grid, threads=cfg.threads, prelude=_tl.PREFETCH_L2_SRC if pf else None) as ids:
+        with T.Kernel(*grid, threads=cfg.threads) as ids:
             A_s = T.alloc_shared((bm, bk), DT)
             Wx_s = T.alloc_shared((bn, bk), DT)
             Wg_s = T.alloc_shared((bn, bk), DT)
             Cx = T.alloc_fragment((bm, bn), F32)
             Cg = T.alloc_fragment((bm, bn), F32)
             C_s = T.alloc_shared((bm, bn), DT)
-            if pf:   # both halves' rows of this block (see kernels/gemm.py)
-                lead = (T.get_thread_binding() == 0) & (ids[1] == 0)
-                prefetch(Wi, ids[0] * bn * K * 2, T.min(bn, Fd - ids[0] * bn) * K * 2, lead)
-                prefetch(Wi, (Fd + ids[0] * bn) * K * 2, T.min(bn, Fd - ids[0] * bn) * K * 2, lead)
             enter()
             if cfg.persistent:
                 for by, bx in T.Persistent([T.ceildiv(M, bm), T.ceildiv(Fd, bn)], cfg.persistent, ids):
@@ -110,11 +105,8 @@ def geglu_kernel(Fd: int, K: int, cfg: GegluConfig = LARGE, dtype: torch.dtype =
     """The compiled GeGLU kernel for (F, K, cfg, dtype), built once per process."""
     d = _tl.dt(dtype)
     extra = {} if d == _tl.BF16 else {"i": d}  # bf16 kernels keep their names (and cache entries)
-    pf = _tl.prefetch_weights() and not cfg.persistent   # build_geglu's weight prefetch
-    if pf:
-        extra["pf"] = 1
     name = _tl.kernel_name("lf_geglu", f=Fd, k=K, c=cfg.tag(), **extra)
-    return _tl.memo(("geglu", Fd, K, cfg, d, pf), lambda: _tl.compile_func(lambda: build_geglu(Fd, K, cfg, d), name,
+    return _tl.memo(("geglu", Fd, K, cfg, d), lambda: _tl.compile_func(lambda: build_geglu(Fd, K, cfg, d), name,
                                                            pass_configs=_tl.ws_pass_configs(cfg.ws)))
 
 

@@ -100,8 +100,7 @@ def build_gemm(N: int, K: int, bias: bool = False, act: str = "none", cfg: GemmC
     P = T.dynamic("P")
     policy = T.GemmWarpPolicy.FullRow if cfg.full_row else T.GemmWarpPolicy.Square
     IN, F32, I32 = in_dtype, _tl.F32, _tl.I32
-    enter, prefetch = _tl.pdl_enter(), _tl.prefetch_rows()
-    pf = _tl.prefetch_weights() and not cfg.persistent   # a tile a block: few rows, the weights dominate
+    enter = _tl.pdl_enter()
 
     @T.macro
     def tile(A, W, Bias, C, A_s, W_s, C_l, C_s, C_r, bx, by, Pos, Cos, Sin):
@@ -137,7 +136,7 @@ def build_gemm(N: int, K: int, bias: bool = False, act: str = "none", cfg: GemmC
     def launch(A, W, Bias, C, Pos, Cos, Sin):
         # one block per output tile, or cfg.persistent blocks walking the tiles (T.Persistent)
         grid = (cfg.persistent,) if cfg.persistent else (T.ceildiv(N, bn), T.ceildiv(M, bm))
-        with T.Kernel(*grid, threads=cfg.threads, prelude=_tl.PREFETCH_L2_SRC if pf else None) as ids:
+        with T.Kernel(*grid, threads=cfg.threads) as ids:
             A_s = T.alloc_shared((bm, bk), IN)
             W_s = T.alloc_shared((bn, bk), IN)
             C_l = T.alloc_fragment((bm, bn), F32)
@@ -145,9 +144,6 @@ def build_gemm(N: int, K: int, bias: bool = False, act: str = "none", cfg: GemmC
             # a persistent block keeps every buffer live across its tiles, so a second staging tile does not fit
             # beside the pipeline (278 KB for 128x256x64s3): it rotates in place, with TileLang's barriers
             C_r = (C_s if cfg.persistent else T.alloc_shared((bm, bn), out_dtype)) if rope_cols else None
-            if pf:   # this block's weight rows, asked of L2 by the first row block before the previous grid ends
-                prefetch(W, ids[0] * bn * K * 2, T.min(bn, N - ids[0] * bn) * K * 2,
-                         (T.get_thread_binding() == 0) & (ids[1] == 0))
             enter()
             if cfg.persistent:
                 for by, bx in T.Persistent([T.ceildiv(M, bm), T.ceildiv(N, bn)], cfg.persistent, ids):
@@ -179,11 +175,8 @@ def gemm_kernel(N: int, K: int, bias: bool = False, act: str = "none", cfg: Gemm
     extra = {} if idt == _tl.BF16 else {"i": idt}  # bf16 kernels keep their names (and cache entries)
     if rope_cols:
         extra["r"] = rope_cols
-    pf = _tl.prefetch_weights() and not cfg.persistent   # build_gemm's weight prefetch
-    if pf:
-        extra["pf"] = 1
     name = _tl.kernel_name("lf_gemm", n=N, k=K, b=int(bias), a=act, c=cfg.tag(), o=od, **extra)
-    return _tl.memo(("gemm", N, K, bias, act, cfg, od, idt, rope_cols, pf),
+    return _tl.memo(("gemm", N, K, bias, act, cfg, od, idt, rope_cols),
                     lambda: _tl.compile_func(lambda: build_gemm(N, K, bias, act, cfg, od, idt, rope_cols), name,
                                              pass_configs=_tl.ws_pass_configs(cfg.ws)))
 

@@ -86,14 +86,12 @@ _ALL = (
     Setting("LAYA_FLEET_TL_ARCH", "str", None,
             "TileLang target (`sm_90a`) for `laya-fleet precompile` on a machine without the GPU, "
             "such as an image build. Unset: the visible GPU's, else sm_90a."),
-    Setting("LAYA_FLEET_PDL", "bool", True,
-            "`fast` backend on Hopper: each TileLang kernel launches while the one before it finishes "
-            "(programmatic dependent launch) and waits for it before touching memory. 0 builds and runs "
-            "kernels without it (their own cache entries); `laya-fleet precompile` builds what this says."),
-    Setting("LAYA_FLEET_PREFETCH_WEIGHTS", "bool", True,
-            "`fast` backend with `LAYA_FLEET_PDL`: the GEMMs of small batches (a tile a block) ask L2 for "
-            "their weight rows before waiting for the previous kernel, so the weights stream while it "
-            "finishes. 0 builds them without (their own cache entries)."),
+    Setting("LAYA_FLEET_PDL", "choice", "small",
+            "`fast` backend on Hopper: which forwards launch each TileLang kernel while the one before it "
+            "finishes (programmatic dependent launch; it waits for it before touching memory). `small`: "
+            "batches of the small-tile regime (up to kernels/tuning.json's `small_m` tokens), where a forward "
+            "is a chain of short kernels; `all`: every batch (slower offline, see BENCHMARKS.md); `off`: none. "
+            "`laya-fleet precompile` builds what this says.", ("small", "all", "off")),
     Setting("LAYA_FLEET_API_KEY", "str", None,
             "Bearer key of the HTTP API, read from the variable the app's `api_key_env` names (this one in "
             "the shipped configs). Unset with `api_key_env` set: the ingress refuses to start."),

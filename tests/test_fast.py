@@ -194,9 +194,9 @@ def test_the_heads_last_layer_on_gathered_rows_answers_like_the_eager_model(engi
 
 
 def test_the_pdl_setting_reaches_the_kernels(monkeypatch):
-    """$LAYA_FLEET_PDL decides whether the kernels the fast backend builds use programmatic dependent launch, and
-    $LAYA_FLEET_PREFETCH_WEIGHTS whether the small-batch GEMMs then prefetch their weights; a value that is not a
-    boolean is an error naming the variable, not a silent default."""
+    """$LAYA_FLEET_PDL (small by default, all, off) decides which builds the fast backend's kernels get: off builds
+    none with programmatic dependent launch; a value outside the three is an error naming the variable or option,
+    not a silent default."""
     import os
 
     from kernels import _tl
@@ -205,18 +205,46 @@ def test_the_pdl_setting_reaches_the_kernels(monkeypatch):
     monkeypatch.setattr(_tl, "_config", dict(_tl._config))
     monkeypatch.setenv("TILELANG_CACHE_DIR", os.environ.get("TILELANG_CACHE_DIR", ""))
     monkeypatch.delenv("LAYA_FLEET_PDL", raising=False)
-    configure_tilelang("sm_90a")
-    assert _tl.pdl()
-    monkeypatch.setenv("LAYA_FLEET_PREFETCH_WEIGHTS", "0")
-    configure_tilelang("sm_90a")
-    assert _tl.pdl() and not _tl.prefetch_weights()
-    monkeypatch.setenv("LAYA_FLEET_PDL", "0")
-    monkeypatch.delenv("LAYA_FLEET_PREFETCH_WEIGHTS")
-    configure_tilelang("sm_90a")
-    assert not _tl.pdl() and not _tl.prefetch_weights()
-    monkeypatch.setenv("LAYA_FLEET_PDL", "sometimes")
+    assert configure_tilelang("sm_90a") == "small" and _tl.pdl()
+    monkeypatch.setenv("LAYA_FLEET_PDL", "off")
+    assert configure_tilelang("sm_90a") == "off" and not _tl.pdl()
+    monkeypatch.setenv("LAYA_FLEET_PDL", "ALL")
+    assert configure_tilelang("sm_90a") == "all" and _tl.pdl()
+    assert configure_tilelang("sm_90a", pdl="off") == "off" and not _tl.pdl()   # the backend option wins
+    monkeypatch.setenv("LAYA_FLEET_PDL", "1")
     with pytest.raises(ValueError, match="LAYA_FLEET_PDL"):
         configure_tilelang("sm_90a")
+    with pytest.raises(ValueError, match="pdl is one of small, all, off, got 'on'"):
+        configure_tilelang("sm_90a", pdl="on")
+
+
+def test_kernel_specs_build_pdl_where_each_batch_size_runs_it():
+    """Under "small" the small-tile GEMMs get only their PDL build, the hand-warp-specialised ones (large batches)
+    only their plain one, and the kernels every batch runs (norms, RoPE, attention, the scorer's narrow GEMM) both;
+    "all" builds everything with PDL, "off" nothing, and a GPU before Hopper never."""
+    from kernels import gemm
+    from model.backends.fast.precompile import shape_dims
+    from model.backends.fast.specs import PDL, kernel_specs, spec_op
+
+    dims = shape_dims("modernbert-large")
+    off = kernel_specs(**dims, arch="sm_90a", sms=132, pdl="off")
+    assert not [k for k, _ in off if k.endswith(PDL)]
+    small = kernel_specs(**dims, arch="sm_90a", sms=132, pdl="small")
+    kinds = {}
+    for k, a in small:
+        kinds.setdefault((k.removesuffix(PDL), a), set()).add(k.endswith(PDL))
+    assert set(kinds) == set(off)
+    for (k, a), builds in kinds.items():
+        if k == "gemm_ws":
+            assert builds == {False}
+        elif k in ("add_ln", "rope", "attention") or (k == "gemm" and a[4] == gemm.NARROW):
+            assert builds == {False, True}, (k, a)
+        else:
+            assert k in ("gemm", "geglu") and builds == {True}, (k, a)
+    every = kernel_specs(**dims, arch="sm_90a", sms=132, pdl="all")
+    assert sorted(every) == sorted((k + PDL, a) for k, a in off)
+    assert kernel_specs(**dims, arch="sm_80", sms=108, pdl="all") == kernel_specs(**dims, arch="sm_80", sms=108)
+    assert {spec_op(sp) for sp in small} == {spec_op(sp) for sp in off}
 
 
 def test_auto_falls_back_to_eager_without_cuda(tiny_checkpoint):
@@ -356,24 +384,34 @@ def test_fast_gpu_a_launched_forward_equals_the_forward_and_frees_the_lock(fast_
 
 @gpu
 @needs_tilelang
-def test_fast_gpu_kernels_answer_the_same_with_and_without_pdl(bundle, fast_gpu, rows, monkeypatch):
-    """Programmatic dependent launch (the default) changes when a kernel starts, never what it computes: the forward
-    with every kernel built and launched without it gives the same answers bit for bit, graphs and eager tails."""
+def test_fast_gpu_kernels_answer_the_same_with_and_without_pdl(bundle, fast_gpu, rows):
+    """Programmatic dependent launch changes when a kernel starts, never what it computes: the default ("small":
+    PDL builds for the small-tile regime's batches, plain ones past it), every kernel with it and none give the
+    same answers bit for bit, graphs and eager tails, with no capture after warm-up."""
+    from kernels import _tl
     from model.backends.fast import configure_tilelang
 
-    monkeypatch.setenv("LAYA_FLEET_PDL", "0")
+    assert fast_gpu.engine.pdl == "small"
+    small_m = fast_gpu.engine.tuning.small_m
+    sizes = [n for n in (1, 3, 11, len(rows)) if n <= len(rows)]
+    assert sum(len(r) for r in rows) > small_m   # both regimes
     try:
-        plain = make_backend(load_model(bundle), bundle, torch.device("cuda"), max_batch_tokens=4096)
-        plain.warmup(4096)
-        for n in (1, 3, 11, len(rows)):
-            la, pa = plain.forward(rows[:n])
-            lb, pb = fast_gpu.forward(rows[:n])
-            np.testing.assert_array_equal(la, lb)
-            np.testing.assert_array_equal(pa, pb)
-        assert plain.stats.captures_after_warmup == 0
+        for mode in ("off", "all"):
+            other = make_backend(load_model(bundle), bundle, torch.device("cuda"), max_batch_tokens=4096, pdl=mode)
+            other.warmup(4096)
+            assert other.engine.pdl == mode
+            for n in sizes:
+                la, pa = other.forward(rows[:n])
+                lb, pb = fast_gpu.forward(rows[:n])
+                np.testing.assert_array_equal(la, lb)
+                np.testing.assert_array_equal(pa, pb)
+            assert other.stats.captures_after_warmup == 0
     finally:
-        monkeypatch.delenv("LAYA_FLEET_PDL")
         configure_tilelang()
+    # the default's large batches ran the hand-warp-specialised GEMMs' plain builds, its small ones PDL builds
+    built = list(_tl._kernels)
+    assert any(k[0] == "gemm_manual" and k[-1] != "pdl" for k in built)
+    assert any(k[0] == "gemm" and k[-1] == "pdl" for k in built)
 
 
 @gpu

@@ -13,7 +13,7 @@ import torch
 
 from kernels import geglu, gemm, rope, tuning
 from kernels import gemm_manual as gm
-from model.backends.fast import forward
+from model.backends.fast import specs as forward
 from tests.kernel_specs import GEGLU_TEST_CFGS
 from tests.test_kernels import _check_fused_rope, _close, _node_local_kernel_cache, _poison, use_sm90  # noqa: F401
 

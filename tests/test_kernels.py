@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -158,38 +159,6 @@ def test_kernels_wait_for_the_previous_grid_before_any_role_starts(monkeypatch):
     monkeypatch.setitem(_tl._config, "pdl", False)
     plain = layernorm.add_ln_kernel(128, "add", False, 1e-5, torch.bfloat16).get_kernel_source()
     assert "cudaGridDependency" not in plain and "cudaTriggerProgrammatic" not in plain
-
-
-@needs_tilelang
-def test_small_tile_gemms_prefetch_their_weight_rows_before_the_wait(monkeypatch):
-    """Under PDL a one-tile-per-block GEMM (the small-batch regime) asks L2 for its block's weight rows, from the
-    first row block only, before waiting for the previous grid: K = 2624 (not a multiple of the k-tile), a GeGLU's
-    two halves and a narrow N = 16 included. Persistent kernels and builds without the prefetch emit none, under
-    names of their own."""
-    import dataclasses
-    import re
-
-    use_sm90(monkeypatch)
-
-    def calls(src):
-        return re.findall(r"lf_prefetch_l2\((\w+), ([^;]*)\);", src)
-
-    for N, K in ((1024, 2624), (3072, 1024), (16, 1024)):
-        k = gemm.gemm_kernel(N, K, False, "none", gemm.SMALL)
-        src = k.get_kernel_source()
-        (c,) = calls(src)
-        rows = min(N, gemm.SMALL.bn)
-        assert c[0] == "W" and c[1].endswith(", %d" % (rows * K * 2)), c
-        assert src.find("lf_prefetch_l2(W") < src.find("cudaGridDependencySynchronize();")
-        assert "blockIdx.y) == 0" in src[src.rfind("if", 0, src.find("lf_prefetch_l2(W")):]
-        assert "_pf1_pdl_kernel" in src
-    g = geglu.geglu_kernel(2624, 1024, geglu.SMALL).get_kernel_source()
-    assert [c[0] for c in calls(g)] == ["Wi", "Wi"] and "+ %d)" % (2624 * 1024 * 2) in calls(g)[1][1]
-    persistent = dataclasses.replace(gemm.LARGE, persistent=132)
-    assert not calls(gemm.gemm_kernel(1024, 1024, False, "none", persistent).get_kernel_source())
-    monkeypatch.setitem(_tl._config, "prefetch", False)
-    off = gemm.gemm_kernel(1024, 2624, False, "none", gemm.SMALL).get_kernel_source()
-    assert not calls(off) and "_pf1" not in off and "_pdl_kernel" in off
 
 
 @needs_tilelang
@@ -640,16 +609,25 @@ def test_pdl_is_set_by_configure_and_keeps_both_builds_apart(monkeypatch):
         return object()
 
     _tl.configure(arch="sm_90a")
-    assert _tl.pdl() and _tl.settings()["pdl"] is True and _tl.prefetch_weights()
+    assert _tl.pdl() and _tl.settings()["pdl"] is True
     assert _tl.kernel_name("lf_x", n=3) == "lf_x_n3_pdl"
     on = _tl.memo(("x",), build)
     assert _tl.memo(("x",), build) is on
-    _tl.configure(arch="sm_90a", prefetch=False)
-    assert _tl.pdl() and not _tl.prefetch_weights()
-    _tl.configure(arch="sm_90a", pdl=False)   # the prefetch only pays while the previous grid runs
-    assert not _tl.pdl() and not _tl.prefetch_weights() and _tl.kernel_name("lf_x", n=3) == "lf_x_n3"
+    _tl.configure(arch="sm_90a", pdl=False)
+    assert not _tl.pdl() and _tl.kernel_name("lf_x", n=3) == "lf_x_n3"
     off = _tl.memo(("x",), build)
     assert off is not on and builds == [True, False]
+    _tl.configure(arch="sm_90a")
+    with _tl.pdl_scope(False):   # the fast forward's large batches: the plain builds, on this thread only
+        assert not _tl.pdl() and _tl.memo(("x",), build) is off and _tl.kernel_name("lf_x", n=3) == "lf_x_n3"
+        seen = []
+        t = threading.Thread(target=lambda: seen.append(_tl.pdl()))
+        t.start()
+        t.join()
+        assert seen == [True]
+        with _tl.pdl_scope(True):
+            assert _tl.memo(("x",), build) is on
+    assert _tl.pdl() and builds == [True, False]
     _tl.configure(arch="sm_80", pdl=True)   # Ampere has no griddepcontrol: built without, named without
     assert not _tl.pdl() and _tl.kernel_name("lf_x", n=3) == "lf_x_n3"
     assert _tl.memo(("x",), build) is off

@@ -19,7 +19,7 @@ def section_gemm8(res: dict, dims: dict, M: int) -> None:
     from kernels import gemm_manual as GM
     from kernels import quant
     from kernels.tuning import pick_gemm_ws8
-    from model.backends.fast.forward import sm_count
+    from model.backends.fast.specs import sm_count
 
     d, inter = dims["d"], dims["inter"]
     dev = "cuda"

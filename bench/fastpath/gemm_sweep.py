@@ -43,7 +43,7 @@ def section_gemm(res: dict, dims: dict, M: int) -> None:
     from kernels import gemm as K
     from kernels import gemm_manual as GM
     from kernels.tuning import pick_gemm_ws
-    from model.backends.fast.forward import sm_count
+    from model.backends.fast.specs import sm_count
 
     d, inter, ffn, L, HL = dims["d"], dims["inter"], dims["ffn"], dims["layers"], dims["head_layers"]
     dev = "cuda"

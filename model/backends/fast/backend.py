@@ -25,21 +25,25 @@ from model.backends.base import HALF, BackendUnavailable, cuda_precision, dtype_
 from model.sequence import Row
 
 from . import fp8 as _fp8
-from .forward import OPS, ForwardOps, compile_specs, kernel_specs, sm_count, spec_op
+from .forward import ForwardOps
 from .graphs import GraphRunner
 from .packing import Packing
+from .specs import OPS, PDL_MODES, compile_specs, kernel_specs, sm_count, spec_op, with_pdl
 from .weights import DeviceWeights
 
 DEFAULT_MAX_BATCH_TOKENS = 16384
-def configure_tilelang(arch: str | None = None) -> None:
+def configure_tilelang(arch: str | None = None, pdl: str | None = None) -> str:
     """Point TileLang's kernel cache at this node's local cache dir (`model.cache.local_dir("tilelang")`) and
-    set the target: `arch`, else $LAYA_FLEET_TL_ARCH, else the visible GPU's; kernels use programmatic dependent
-    launch unless $LAYA_FLEET_PDL is 0, and then small-batch GEMMs prefetch their weights unless
-    $LAYA_FLEET_PREFETCH_WEIGHTS is 0."""
+    set the target: `arch`, else $LAYA_FLEET_TL_ARCH, else the visible GPU's; returns the programmatic dependent
+    launch mode (`pdl`, else $LAYA_FLEET_PDL: small, all or off), which kernel_specs and the forward read."""
     from model.cache import local_dir
 
+    pdl = settings.get("LAYA_FLEET_PDL") if pdl is None else pdl
+    if pdl not in PDL_MODES:
+        raise ValueError("pdl is one of %s, got %r" % (", ".join(PDL_MODES), pdl))
     _tl.configure(cache_dir=local_dir("tilelang"), arch=arch or settings.get("LAYA_FLEET_TL_ARCH"),
-                  pdl=settings.get("LAYA_FLEET_PDL"), prefetch=settings.get("LAYA_FLEET_PREFETCH_WEIGHTS"))
+                  pdl=pdl != "off")
+    return pdl
 
 
 @dataclass
@@ -70,7 +74,7 @@ class FastForward(ForwardOps, GraphRunner, Packing, DeviceWeights):
                  use_graphs: bool | None = None, max_batch_tokens: int | None = None,
                  act_dtype: torch.dtype | None = None, attn_cfg: _attn.AttnConfig = _attn.DEFAULT,
                  compile_workers: int | None = None, tuning: Tuning = TABLE,
-                 gpu_lock: _gpu_lock.GpuLock | None | str = "auto", fp8: bool = False):
+                 gpu_lock: _gpu_lock.GpuLock | None | str = "auto", fp8: bool = False, pdl: str | None = None):
         self.device = torch.device(device)
         if not isinstance(fp8, bool):   # a string such as "no" would read as on
             raise ValueError("fp8 is True or False, got %r" % (fp8,))
@@ -83,7 +87,7 @@ class FastForward(ForwardOps, GraphRunner, Packing, DeviceWeights):
         if uses_tl:
             if self.device.type != "cuda":
                 raise BackendUnavailable("the TileLang kernels need a CUDA device, got %s" % self.device)
-            configure_tilelang()
+            pdl = configure_tilelang(pdl=pdl)
             ok, why = _tl.available()
             if not ok:
                 raise BackendUnavailable("tilelang is not importable (%s)" % why)
@@ -95,6 +99,8 @@ class FastForward(ForwardOps, GraphRunner, Packing, DeviceWeights):
             raise ValueError("CUDA graphs need a CUDA device")
         self.attn_cfg = attn_cfg
         self.arch = _tl.target()["arch"] if uses_tl else "none"
+        # which token buckets run the programmatic-dependent-launch builds (kernel_specs, _body)
+        self.pdl = pdl if uses_tl and _tl.pdl_arch(self.arch) else "off"
         self.sms = sm_count(self.device) if self.device.type == "cuda" else 132
         self.pad_id = int(bundle.tokenizer.pad_token_id)
         self._load_weights(model, bundle)
@@ -135,9 +141,9 @@ class FastForward(ForwardOps, GraphRunner, Packing, DeviceWeights):
                              {hl.norm1[2] for hl in self.head_layers} | {hl.norm2[2] for hl in self.head_layers}
                              | {self.scorer_norm[2]}, ly.bqkv is not None, ly.bo is not None,
                              self.emb_norm[1] is not None, self.attn_cfg, self.act_dtype, table=self.tuning,
-                             arch=self.arch, sms=self.sms)
+                             arch=self.arch, sms=self.sms, pdl=self.pdl)
         if self.fp8:
-            specs += self._fp8_specs()
+            specs += with_pdl(self._fp8_specs(), self.pdl)
         return [sp for sp in specs if self.ops[spec_op(sp)] == "tilelang"]
 
     def _fp8_specs(self) -> list[tuple[str, tuple]]:
@@ -211,9 +217,10 @@ def make_backend(model: torch.nn.Module, bundle: Any, device: torch.device, **op
     or None for none; default the CUDA device's: one process's forward on a GPU at a time), act_dtype (activations
     and GEMM weights: torch.bfloat16 or torch.float16 / "fp16"; on CUDA it defaults to the checkpoint's autocast
     dtype, see model.backends.base.cuda_precision), fp8 (the encoder's GEMMs in e4m3, see fp8.py; on CUDA it defaults
-    to the checkpoint's precision being fp8)."""
+    to the checkpoint's precision being fp8), pdl (which token buckets use programmatic dependent launch: "small",
+    "all" or "off"; default $LAYA_FLEET_PDL)."""
     allowed = {"ops", "use_graphs", "max_batch_tokens", "compile_workers", "attn_cfg", "act_dtype", "tuning",
-               "gpu_lock", "fp8"}
+               "gpu_lock", "fp8", "pdl"}
     unknown = set(options) - allowed
     if unknown:
         raise ValueError("unknown fast backend options %s (use %s)" % (sorted(unknown), sorted(allowed)))

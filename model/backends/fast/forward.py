@@ -4,16 +4,13 @@ The encoder and decision head run over one packed token bucket (packing.py) in s
 with a bias / activation epilogue (Wqkv with RoPE fused), GEMM + GeGLU, residual add + LayerNorm, packed attention.
 After the head's last attention only marker and [CLS] rows are read, so that layer's rest and the scorer run on
 those rows gathered. `ops="torch"` swaps every kernel for its torch reference (same packing, same buffers), which
-also runs on CPU. `kernel_specs` lists what a model of a shape launches, for warm-up and `precompile`.
+also runs on CPU. specs.py lists the kernels a model of a shape launches, for warm-up and `precompile`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
-import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -25,108 +22,14 @@ from kernels import geglu as _geglu
 from kernels import gemm as _gemm
 from kernels import gemm_manual as _gm
 from kernels import layernorm as _ln
-from kernels import quant as _quant
 from kernels import rope as _rope
-from kernels.tuning import TABLE, Tuning, pick_add_ln, pick_geglu, pick_gemm, pick_gemm_ws, pick_gemm_ws8
+from kernels.tuning import pick_add_ln, pick_geglu, pick_gemm, pick_gemm_ws, pick_gemm_ws8
 from model.network import confidence_features
 from model.sequence import Row
 
 from . import fp8 as _fp8
 from .packing import pow2
 from .profiling import Profiling
-from .weights import SCORER_PAD
-
-OPS = ("gemm", "geglu", "add_ln", "rope", "attention")
-
-
-def sm_count(device: torch.device | None = None) -> int:
-    """Streaming multiprocessors of the CUDA device (132 on the H100 / H200 SXM; that without a GPU)."""
-    if torch.cuda.is_available():
-        idx = device.index if device is not None and device.index is not None else torch.cuda.current_device()
-        return int(torch.cuda.get_device_properties(idx).multi_processor_count)
-    return 132
-
-
-def kernel_specs(d: int, heads: int, inter: int, ffn: int, windows, eps: float = 1e-5, head_eps=(1e-5,),
-                 qkv_bias: bool = False, out_bias: bool = False, norm_bias: bool = False,
-                 attn_cfg: _attn.AttnConfig = _attn.DEFAULT,
-                 dtype: torch.dtype = torch.bfloat16, *, table: Tuning = TABLE, arch: str | None = None,
-                 sms: int | None = None) -> list[tuple[str, tuple]]:
-    """Every (op, builder args) the forward of a model of this shape launches (both tile regimes); `dtype` is
-    the activations' and GEMM weights' (bf16, or fp16: those specs carry it as a last argument). Tiles come from
-    `table` for `arch` (default: the TileLang target) with `sms` multiprocessors (default: this GPU's)."""
-    arch = arch or _tl.target()["arch"]
-    sms = sms or sm_count()
-
-    def ws_cfg(M: int, N: int, geglu: bool = False, K: int | None = None) -> _gm.GemmWSConfig | None:
-        return pick_gemm_ws(M, N, dtype, dtype, geglu, K, arch=arch, sms=sms, table=table)
-
-    specs: list[tuple[str, tuple]] = []
-    adt = dtype
-    half = () if dtype == torch.bfloat16 else (dtype,)  # bf16 specs keep their historical form
-    big = table.small_m + 1
-    for rows in (64, big):   # the two tile regimes: up to small_m rows, and past it
-        def cfg(N: int, K: int, rows=rows) -> _gemm.GemmConfig:
-            return pick_gemm(rows, N, K, table)
-
-        gg = pick_geglu(rows, inter, d, table)
-        qkv_cfg = cfg(3 * d, d)   # Wqkv rotates Q and K in its epilogue (RoPE fused) when the tile allows
-        qkv = (3 * d, d, qkv_bias, "none", qkv_cfg, adt) + ((adt, 2 * d) if qkv_cfg.bn % 64 == 0 else half)
-        prods = [(3 * d, d, qkv_bias, "none", 2 * d), (d, d, out_bias, "none", 0), (d, inter, out_bias, "none", 0),
-                 (3 * d, d, True, "none", 0), (d, d, True, "none", 0), (ffn, d, True, "relu", 0),
-                 (d, ffn, True, "none", 0), (d, d, True, "gelu", 0)]
-        ws = ws_cfg(big, 3 * d) if rows == big else None
-        if ws is not None:
-            # Hopper, many rows: the hand-warp-specialised kernels (kernels/gemm_manual.py); RoPE always fused
-            specs += [("gemm_ws", (N, K, ws_cfg(big, N, K=K), b, a, r, False, adt)) for N, K, b, a, r in prods]
-            specs.append(("gemm_ws", (inter, d, ws_cfg(big, inter, True, d), False, "none", 0, True, adt)))
-            continue
-        specs += [("gemm", qkv),
-                  ("gemm", (d, d, out_bias, "none", cfg(d, d), adt, *half)),
-                  ("geglu", (inter, d, gg, *half)),
-                  ("gemm", (d, inter, out_bias, "none", cfg(d, inter), adt, *half)),
-                  ("gemm", (3 * d, d, True, "none", cfg(3 * d, d), adt, *half)),
-                  ("gemm", (d, d, True, "none", cfg(d, d), adt, *half)),
-                  ("gemm", (ffn, d, True, "relu", cfg(ffn, d), adt, *half)),
-                  ("gemm", (d, ffn, True, "none", cfg(d, ffn), adt, *half)),
-                  ("gemm", (d, d, True, "gelu", cfg(d, d), adt, *half))]
-    specs.append(("gemm", (SCORER_PAD, d, True, "none", _gemm.NARROW, torch.float32, *half)))
-    ln = (pick_add_ln(d, table), dtype)  # add_ln's (cfg, residual dtype)
-    specs += [("add_ln", (d, "inplace", norm_bias, eps, adt, *ln)), ("add_ln", (d, "add", norm_bias, eps, adt, *ln)),
-              ("add_ln", (d, "add_inplace", norm_bias, eps, adt, *ln))]
-    for e in sorted(set(head_eps)):
-        specs += [("add_ln", (d, "plain", True, e, adt, *ln)), ("add_ln", (d, "add", True, e, adt, *ln))]
-    specs.append(("rope", (heads, _rope.RopeConfig(), dtype) if half else (heads,)))
-    for win in sorted(set(windows) | {0}):
-        specs.append(("attention", (heads, win, attn_cfg, *half)))
-    specs.append(("attention", (max(1, d // 64), 0, attn_cfg, *half)))
-    return list(dict.fromkeys(specs))
-
-
-def spec_op(spec: tuple[str, tuple]) -> str:
-    """The forward op (a key of OPS, which `ops` sets to TileLang or torch) a kernel spec serves: a manual GEMM
-    spec serves `gemm`, or `geglu` in its GeGLU form."""
-    kind, args = spec
-    if kind == "gemm_ws":
-        return "geglu" if args[6] else "gemm"
-    if kind == "quant":   # the FP8 precision's quantisation of a GEMM input (of the GeGLU: args[1])
-        return "geglu" if args[1] else "gemm"
-    return kind
-
-
-BUILDERS = {"gemm": _gemm.gemm_kernel, "gemm_ws": _gm.gemm_manual_kernel, "geglu": _geglu.geglu_kernel,
-            "add_ln": _ln.add_ln_kernel, "quant": _quant.quant_kernel,
-            "rope": _rope.rope_kernel, "attention": _attn.attention_kernel}
-
-
-def compile_specs(specs: list[tuple[str, tuple]], workers: int | None = None) -> float:
-    """Compile (or load from TileLang's cache) every kernel in specs, in parallel; returns seconds."""
-    t = time.perf_counter()
-    _tl.tl()  # import on this thread first
-    n = workers or max(1, min(len(specs), os.cpu_count() or 1))
-    with ThreadPoolExecutor(n) as ex:
-        list(ex.map(lambda s: BUILDERS[s[0]](*s[1]), specs))
-    return time.perf_counter() - t
 
 
 class ForwardOps(Profiling):
@@ -259,6 +162,14 @@ class ForwardOps(Profiling):
     def _body(self, Tb: int, g: int) -> None:
         """The encoder and head over bucket Tb; the head's last layer after its attention, and the scorer, on the
         g rows listed in gidx (marker and [CLS] tokens, then padding pointing at the scratch row T_max)."""
+        with _tl.pdl_scope(self._pdl_rows(Tb)):
+            self._body_ops(Tb, g)
+
+    def _pdl_rows(self, M: int) -> bool:
+        """Whether ops over M rows run the programmatic-dependent-launch builds (the PDL mode, `self.pdl`)."""
+        return self.pdl == "all" or (self.pdl == "small" and M <= self.tuning.small_m)
+
+    def _body_ops(self, Tb: int, g: int) -> None:
         v = self._views(Tb)
         X, Y, QKV, Ob, R = self.X[:Tb], self.Y[:Tb], self.QKV[:Tb], self.O[:Tb], self.R[:Tb]
         torch.index_select(self.emb, 0, v["ids"], out=X)
@@ -285,7 +196,8 @@ class ForwardOps(Profiling):
             self._gemm(Y, hl.win, hl.bin, QKV)
             self._attention(QKV, v, self.head_heads, 0, Ob)
             if j + 1 == hn:
-                self._head_tail(hl, v["gidx"][:g], g)
+                with _tl.pdl_scope(self._pdl_rows(g)):
+                    self._head_tail(hl, v["gidx"][:g], g)
                 return
             self._gemm(Ob, hl.wout, hl.bout, R)
             self._add_ln(X, R, hl.norm2[:2], hl.norm2[2], Y, "add")

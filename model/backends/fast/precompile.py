@@ -22,7 +22,7 @@ from kernels import _tl
 
 from . import fp8
 from .backend import configure_tilelang
-from .forward import compile_specs, kernel_specs, sm_count
+from .specs import compile_specs, kernel_specs, sm_count, with_pdl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -35,9 +35,10 @@ def shape_dims(shape: str) -> dict:
     return dict(d=s["hidden"], heads=s["heads"], inter=s["ff"], ffn=4 * s["hidden"], windows={0, 64})
 
 
-def model_specs(shape: str, dtype: torch.dtype = torch.bfloat16) -> list[tuple[str, tuple]]:
-    """The kernels a make-checkpoint shape's fast forward uses (bf16, or fp16 with act_dtype=torch.float16)."""
-    return kernel_specs(**shape_dims(shape), dtype=dtype)
+def model_specs(shape: str, dtype: torch.dtype = torch.bfloat16, pdl: str = "off") -> list[tuple[str, tuple]]:
+    """The kernels a make-checkpoint shape's fast forward uses (bf16, or fp16 with act_dtype=torch.float16) in PDL
+    mode `pdl`."""
+    return kernel_specs(**shape_dims(shape), dtype=dtype, pdl=pdl)
 
 
 def _checkout_specs(module: str, fn: str) -> list[tuple[str, tuple]]:
@@ -63,19 +64,23 @@ def pack_cache(path: str) -> int:
 
 def run(a: argparse.Namespace) -> int:
     """Compile what the parsed flags ask for; returns the exit status."""
-    configure_tilelang(a.arch)
+    mode = configure_tilelang(a.arch)   # $LAYA_FLEET_PDL: which builds the forward runs
+    mode = mode if _tl.pdl_arch() else "off"
     specs = []
     for s in a.shapes:
-        specs += model_specs(s)
+        specs += model_specs(s, pdl=mode)
         if a.fp16:
-            specs += model_specs(s, torch.float16)
+            specs += model_specs(s, torch.float16, mode)
         if a.fp8:
             dims = shape_dims(s)
-            specs += fp8.kernel_specs(dims["d"], dims["inter"], arch=_tl.target()["arch"], sms=sm_count())
+            specs += with_pdl(fp8.kernel_specs(dims["d"], dims["inter"], arch=_tl.target()["arch"], sms=sm_count()),
+                              mode)
+    # the tests and sweeps call the builders directly, which build with PDL wherever the target has it
+    direct = "all" if _tl.pdl_arch() else "off"
     if a.tests:
-        specs += _checkout_specs("tests.kernel_specs", "test_specs")
+        specs += with_pdl(_checkout_specs("tests.kernel_specs", "test_specs"), direct)
     if a.sweep:
-        specs += _checkout_specs("bench.fastpath_sweep", "sweep_specs")
+        specs += with_pdl(_checkout_specs("bench.fastpath_sweep", "sweep_specs"), direct)
     specs = list(dict.fromkeys(specs))
     t = time.perf_counter()
     compile_specs(specs, a.workers)
