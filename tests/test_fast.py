@@ -218,6 +218,12 @@ def test_the_pdl_setting_reaches_the_kernels(monkeypatch):
         configure_tilelang("sm_90a", pdl="on")
 
 
+def test_a_bad_pdl_option_names_itself_even_on_the_torch_ops(bundle):
+    """The fast backend's `pdl` option is checked where no TileLang kernel would read it, as on CPU."""
+    with pytest.raises(ValueError, match="pdl is one of small, all, off, got True"):
+        make_backend(load_model(bundle), bundle, torch.device("cpu"), ops="torch", pdl=True)
+
+
 def test_kernel_specs_build_pdl_where_each_batch_size_runs_it():
     """Under "small" the small-tile GEMMs get only their PDL build, the hand-warp-specialised ones (large batches)
     only their plain one, and the kernels every batch runs (norms, RoPE, attention, the scorer's narrow GEMM) both;

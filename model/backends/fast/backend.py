@@ -78,6 +78,8 @@ class FastForward(ForwardOps, GraphRunner, Packing, DeviceWeights):
         self.device = torch.device(device)
         if not isinstance(fp8, bool):   # a string such as "no" would read as on
             raise ValueError("fp8 is True or False, got %r" % (fp8,))
+        if pdl is not None and pdl not in PDL_MODES:   # checked here too: the torch ops never read it
+            raise ValueError("pdl is one of %s, got %r" % (", ".join(PDL_MODES), pdl))
         self.fp8 = fp8   # the encoder's GEMMs in e4m3 (fp8.py)
         if self.fp8:
             _fp8.check_device(self.device)
