@@ -87,7 +87,7 @@ def main(argv=None) -> int:
     wl = workloads(offline_states=a.offline_states)
     first = engines[VARIANTS[0][0]]
     offline_rows = sorted(rows_of(first, [wl["offline"]])[0], key=len)
-    # the same rows through both: the kernels differ only in how they are launched
+    # the same rows through every engine: the kernels differ only in how they are launched
     agree = {}
     for wname, rows in (("10x3@512", rows_of(first, [wl["10x3@512"]])[0]), ("offline", offline_rows)):
         outs = [engines[n].backend.forward(rows) for n, _ in VARIANTS]
