@@ -73,8 +73,10 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cuda", help="cpu: a dry run of the script on the fast path's torch ops")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "pdl_ab.json"))
     a = p.parse_args(argv)
-    if a.rounds < 1:
-        p.error("--rounds must be at least 1")
+    if a.rounds < 1 or a.offline_states < 1:
+        p.error("--rounds and --offline-states must be at least 1")
+    if a.max_tokens < 1024:
+        p.error("--max-tokens must be at least 1024 (the 1 x 3 rows and an offline state's rows fit one bucket)")
     import numpy as np
 
     res = {"checkpoint": a.checkpoint, "commit": os.environ.get("LAYA_FLEET_COMMIT"), "rounds": [],

@@ -57,6 +57,7 @@ def settings() -> dict[str, Any]:
 
 
 _scope = threading.local()
+_target_pdl: dict[str | None, bool] = {}   # the target's pdl_arch() by configured arch: read at every kernel lookup
 
 
 def pdl_arch(arch: str | None = None) -> bool:
@@ -64,7 +65,12 @@ def pdl_arch(arch: str | None = None) -> bool:
     (`configure(pdl=...)`) and Hopper or later."""
     if not _config["pdl"]:
         return False
-    digits = "".join(c for c in (arch or target()["arch"]).split("_")[-1] if c.isdigit())
+    if arch is None:
+        hit = _target_pdl.get(_config["arch"])
+        if hit is None:   # target() may ask the CUDA device: once, not per kernel lookup of a forward without graphs
+            hit = _target_pdl[_config["arch"]] = pdl_arch(target()["arch"])
+        return hit
+    digits = "".join(c for c in arch.split("_")[-1] if c.isdigit())
     return bool(digits) and int(digits) >= 90
 
 

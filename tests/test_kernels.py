@@ -628,6 +628,11 @@ def test_pdl_is_set_by_configure_and_keeps_both_builds_apart(monkeypatch):
         with _tl.pdl_scope(True):
             assert _tl.memo(("x",), build) is on
     assert _tl.pdl() and builds == [True, False]
+    _tl.configure(arch=None)   # the visible GPU's (sm_90a without one), asked once: pdl() runs at every kernel lookup
+    first, real = _tl.pdl(), _tl.target
+    monkeypatch.setattr(_tl, "target", lambda: pytest.fail("target() asked again"))
+    assert _tl.pdl() == first and _tl.kernel_name("lf_x", n=3).endswith("_pdl") == first
+    monkeypatch.setattr(_tl, "target", real)
     _tl.configure(arch="sm_80", pdl=True)   # Ampere has no griddepcontrol: built without, named without
     assert not _tl.pdl() and _tl.kernel_name("lf_x", n=3) == "lf_x_n3"
     assert _tl.memo(("x",), build) is off
