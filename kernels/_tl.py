@@ -70,6 +70,12 @@ def pdl_arch(arch: str | None = None) -> bool:
         if hit is None:   # target() may ask the CUDA device: once, not per kernel lookup of a forward without graphs
             hit = _target_pdl[_config["arch"]] = pdl_arch(target()["arch"])
         return hit
+    return has_griddepcontrol(arch)
+
+
+def has_griddepcontrol(arch: str) -> bool:
+    """Whether `arch` (sm_XY[a]) has griddepcontrol, programmatic dependent launch's wait and trigger: Hopper or
+    later."""
     digits = "".join(c for c in arch.split("_")[-1] if c.isdigit())
     return bool(digits) and int(digits) >= 90
 
@@ -79,7 +85,8 @@ def pdl() -> bool:
     for the previous grid (griddepcontrol.wait) before touching memory and lets the next one launch right after
     that, so a kernel's launch and set-up overlap its predecessor's tail. `pdl_arch()`, unless `pdl_scope(False)`
     holds. A launch of either kind after either kind is correct: the wait comes before every memory access, and
-    kernels without it launch only after their predecessor ends."""
+    kernels without it launch only after their predecessor ends (cluster kernels wait in every build:
+    `pdl_enter`)."""
     return getattr(_scope, "on", True) and pdl_arch()
 
 
@@ -95,18 +102,25 @@ def pdl_scope(on: bool) -> Iterator[None]:
         _scope.on = prev
 
 
-def pdl_enter() -> Any:
+def pdl_enter(wait: bool = False) -> Any:
     """A TileLang macro for the first statement of a kernel body: under `pdl()` (see there) the wait for the
-    previous grid, then the signal that lets the next grid launch; nothing otherwise. Call it inside `T.Kernel`,
-    before any global memory access."""
+    previous grid, then the signal that lets the next grid launch; otherwise the wait alone when `wait` (and the
+    target has it), else nothing. Call it inside `T.Kernel`, before any global memory access.
+
+    `wait` is for kernels that TileLang's runtime launches as programmatic dependents whatever the build: it gives
+    every cluster launch that attribute, so a cluster kernel may start once its predecessor's blocks have exited,
+    before their writes are flushed, unless it waits."""
     _, T = tl()
     on = pdl()
+    wait_only = not on and wait and has_griddepcontrol(target()["arch"])
 
     @T.macro
     def enter():
         if on:
             T.pdl_sync()
             T.pdl_trigger()
+        elif wait_only:
+            T.pdl_sync()
 
     return enter
 

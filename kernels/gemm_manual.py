@@ -137,7 +137,7 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
         raise ValueError("a RoPE epilogue needs rope_cols a multiple of 64, no activation and a chunked epilogue")
     if geglu and (bias or act != "none"):
         raise ValueError("the GeGLU form takes no bias or activation")
-    (tilelang, T), enter = _tl.tl(), _tl.pdl_enter()   # enter: the wait for the previous grid (_tl.pdl)
+    (tilelang, T), enter = _tl.tl(), _tl.pdl_enter(wait=cfg.cluster > 1)   # clusters wait in every build
     bm, bn, bk, S = cfg.bm, cfg.bn, cfg.bk, cfg.stages
     hm = bm // 2                          # rows per consumer warpgroup
     DT, F32, I32 = dtype, _tl.F32, _tl.I32

@@ -162,6 +162,25 @@ def test_kernels_wait_for_the_previous_grid_before_any_role_starts(monkeypatch):
 
 
 @needs_tilelang
+@pytest.mark.parametrize("pdl", [False, True])
+def test_cluster_gemms_wait_for_the_previous_grid_in_every_build(monkeypatch, pdl):
+    """TileLang's runtime launches every cluster kernel as a programmatic dependent, so it may start once the
+    previous kernel's blocks have exited, before their writes are flushed: the 2-CTA hand-WS GEMMs wait in the
+    plain build too (without the trigger there), while a one-block-per-tile build without PDL waits for nothing."""
+    from kernels import gemm_manual
+
+    use_sm90(monkeypatch)
+    monkeypatch.setitem(_tl._config, "pdl", pdl)
+    for cfg, n, glu in ((gemm_manual.GEMM, 3072, False), (gemm_manual.GEGLU, 2624, True)):
+        src = gemm_manual.gemm_manual_kernel(n, 1024, cfg, geglu=glu).get_kernel_source()
+        wait = src.find("cudaGridDependencySynchronize();")
+        assert src.count("cudaGridDependencySynchronize();") == 1 and 0 < wait < src.find("threadIdx.x) < 128")
+        assert ("cudaTriggerProgrammaticLaunchCompletion();" in src) == pdl
+    single = gemm_manual.gemm_manual_kernel(1024, 1024, gemm_manual.GemmWSConfig(persistent=132)).get_kernel_source()
+    assert ("cudaGridDependencySynchronize();" in single) == pdl
+
+
+@needs_tilelang
 def test_fp16_kernels_compile_for_hopper_with_half_operands(monkeypatch):
     """act_dtype fp16: every kernel of the forward compiles for sm_90a with fp16 operands (tensor-core products
     on half inputs, fp32 accumulation), under names of their own; the bf16 kernels keep theirs."""
