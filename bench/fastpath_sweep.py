@@ -49,7 +49,8 @@ ATTENTION = (A.UNGUARDED, A.AttnConfig(guard=True), A.WARP_SPECIALISED,
              A.AttnConfig(bm=128, bn=128, stages=2, threads=256, guard=True),
              A.UNSPECIALISED, A.AttnConfig(bn=128, guard=True, ws=False),
              A.LEAN, A.AttnConfig(bn=128, guard=True, ws=False, lean=True),
-             A.AttnConfig(guard=True, ws=False, lean=True, occupancy=5), A.OVERLAP)
+             A.AttnConfig(guard=True, ws=False, lean=True, occupancy=5), A.OVERLAP,
+             *(replace(A.OVERLAP, hp=h) for h in (2, 4, 8)))
 # hand-warp-specialised configs timed beside gemm_manual's GEMM / GEGLU, keyed by geglu
 GEMM_WS = {
     False: (replace(GM.GEMM, cluster=1), replace(GM.GEMM, cluster=1, stagger=3)),

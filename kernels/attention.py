@@ -34,14 +34,15 @@ class AttnConfig:
     lean: bool = False    # masks only on edge key blocks, the softmax scale folded into the exponent
     occupancy: int = 0    # > 0: ask ptxas for that many blocks an SM (__launch_bounds__), capping registers
     overlap: bool = False  # FA3-style: block j's QK^T and softmax overlap block j-1's PV (build_attention_overlap)
+    hp: int = 1           # overlapped: heads a block walks in turn, the next head's loads issued under this one's
 
     def tag(self) -> str:
         """A short text form, e.g. 64x64s1t128 (g suffix when guarded, n when not warp-specialised, l lean, oN
-        occupancy N, v overlapped)."""
-        return "%dx%ds%dt%d%s%s%s%s%s" % (self.bm, self.bn, self.stages, self.threads, "g" if self.guard else "",
-                                          "" if self.ws else "n", "l" if self.lean else "",
-                                          "o%d" % self.occupancy if self.occupancy else "",
-                                          "v" if self.overlap else "")
+        occupancy N, v overlapped, hN N heads a block)."""
+        return "%dx%ds%dt%d%s%s%s%s%s%s" % (self.bm, self.bn, self.stages, self.threads, "g" if self.guard else "",
+                                            "" if self.ws else "n", "l" if self.lean else "",
+                                            "o%d" % self.occupancy if self.occupancy else "",
+                                            "v" if self.overlap else "", "h%d" % self.hp if self.hp > 1 else "")
 
 
 UNGUARDED = AttnConfig()
@@ -158,6 +159,8 @@ def build_attention(heads: int, window: int = 0, cfg: AttnConfig = DEFAULT, dtyp
     or float16 (the probabilities enter the second product in it too)."""
     if cfg.overlap:
         return build_attention_overlap(heads, window, cfg, dtype)
+    if cfg.hp != 1:
+        raise ValueError("several heads a block (hp) is a form of the overlapped kernel only; got %s" % cfg.tag())
     _, T = _tl.tl()
     enter = _tl.pdl_enter()
     bm, bn = cfg.bm, cfg.bn
@@ -248,7 +251,7 @@ def build_attention(heads: int, window: int = 0, cfg: AttnConfig = DEFAULT, dtyp
 def check_overlap_config(cfg: AttnConfig) -> None:
     """Raise ValueError for an overlapped config build_attention_overlap cannot build."""
     if not (cfg.bm == cfg.bn == 64 and cfg.threads == 128 and cfg.guard and cfg.lean and not cfg.ws
-            and cfg.stages == 1):
+            and cfg.stages == 1 and cfg.hp >= 1):
         raise ValueError("the overlapped attention is one warpgroup on 64 x 64 tiles, guarded, lean, not "
                          "warp-specialised, stages=1 (its double buffering is its own); got %s" % cfg.tag())
 
@@ -260,11 +263,18 @@ def build_attention_overlap(heads: int, window: int = 0, cfg: AttnConfig = OVERL
     refilled), TMA loads of V_j and K_{j+1} into the other halves of two-slot rings (mbarrier each), then QK_j^T
     and P_{j-1} V_{j-1} issued back to back; the wait for the first leaves the second on the tensor cores while
     this block's softmax runs; then the wait for PV, P_j to 16 bits and the accumulator's rescale. Block 0's QK^T
-    runs before the loop, the last PV after it. No automatic thread-sync insertion: every sync is explicit."""
+    runs before the loop, the last PV after it. No automatic thread-sync insertion: every sync is explicit.
+
+    cfg.hp > 1: a block takes hp heads of its query tile in turn as one run of hp * n key blocks, so the next
+    head's Q (a two-slot ring) and first K / V load under this head's last blocks instead of in a prologue of their
+    own; at a head's first block the previous head's last PV is waited for and its output written before the
+    softmax state restarts. The last block of heads may hold fewer (heads need not be a multiple of hp)."""
     tilelang, T = _tl.tl()
     enter = _tl.pdl_enter()
     check_overlap_config(cfg)
     bm = bn = 64
+    hp = cfg.hp
+    multi = hp > 1
     Ttok = T.dynamic("Ttok")
     NC = T.dynamic("NC")
     NT = T.dynamic("NT")
@@ -281,17 +291,58 @@ def build_attention_overlap(heads: int, window: int = 0, cfg: AttnConfig = OVERL
         mask(s, kb, q0, L)
         online(s, m, m_prev, sc, ms, rs, lsum)
 
+    @T.macro
+    def load(QKV, buf, slot, bar, bi, j, part, start, k_lo, n, h0):
+        # key block j of the run (part 1: K, 2: V) into slot `slot` of its ring: head h0 + j // n when a block
+        # walks several heads, block k_lo + j % n of it
+        c = part * HD + (h0 + T.truncdiv(j, n) if multi else h0) * D
+        r = start + (k_lo + (T.truncmod(j, n) if multi else j)) * bn
+        T.tma_copy(QKV[r:r + bn, c:c + D], buf[slot, :, :], barrier=bar[bi])
+        T.barrier_arrive(bar[bi])
+
+    @T.macro
+    def step(s, s_c, acc, m, m_prev, sc, ms, rs, lsum, kb, q0, L):
+        # this block's softmax under the previous block's PV, then P to 16 bits and the accumulator rescaled
+        softmax(s, m, m_prev, sc, ms, rs, lsum, kb, q0, L)
+        T.wait_wgmma(0)
+        T.warpgroup_fence_operand(acc, num_regs=regs)
+        T.copy(s, s_c)
+        for i, j in T.Parallel(bm, D):
+            acc[i, j] = acc[i, j] * sc[i]
+
+    @T.macro
+    def finish(Out, acc, lsum, O_s, slot, start, q0, L, h):
+        # the head's output: normalise, stage in O_s[slot], then only the tile's real query rows to global memory.
+        # Several heads a block stage in the V slot the last PV read, free until the next block's sync: every warp
+        # must be past that PV before it is overwritten
+        for i, j in T.Parallel(bm, D):
+            acc[i, j] = acc[i, j] / T.max(lsum[i], 1e-30)
+        if multi:
+            T.sync_threads()
+            T.copy(acc, O_s[slot, :, :])
+            T.sync_threads()
+            for i, j in T.Parallel(bm, D):
+                if q0 + i < L:
+                    Out[start + q0 + i, h * D + j] = O_s[slot, i, j]
+            T.fence_proxy_async()   # these generic accesses before the TMA load that refills the slot
+        else:
+            T.copy(acc, O_s)
+            T.sync_threads()
+            for i, j in T.Parallel(bm, D):
+                if q0 + i < L:
+                    Out[start + q0 + i, h * D + j] = O_s[i, j]
+
     @T.prim_func
     def main(QKV: T.Tensor((Ttok, 3 * HD), DT), Cu: T.Tensor((NC,), I32), Tiles: T.Tensor((NT, 2), I32),
              Out: T.Tensor((Ttok, HD), DT)):
-        with T.Kernel(NT, heads, threads=128) as (bt, bh):
+        with T.Kernel(NT, -(-heads // hp), threads=128) as (bt, bg):
             if cfg.occupancy:
                 T.annotate_min_blocks_per_sm(cfg.occupancy)
             enter()
-            Q_s = T.alloc_shared((bm, D), DT)
+            Q_s = T.alloc_shared((2, bm, D) if multi else (bm, D), DT)
             K_s = T.alloc_shared((2, bn, D), DT)
             V_s = T.alloc_shared((2, bn, D), DT)
-            O_s = T.alloc_shared((bm, D), DT)
+            O_s = V_s if multi else T.alloc_shared((bm, D), DT)   # so four blocks still fit an SM
             s = T.alloc_fragment((bm, bn), F32)
             s_c = T.alloc_fragment((bm, bn), DT)
             acc = T.alloc_fragment((bm, D), F32)
@@ -301,13 +352,15 @@ def build_attention_overlap(heads: int, window: int = 0, cfg: AttnConfig = OVERL
             rs = T.alloc_fragment((bm,), F32)
             lsum = T.alloc_fragment((bm,), F32)
             ms = T.alloc_fragment((bm,), F32)
-            bar = T.alloc_barrier([128] * 5)      # Q; K slots 0, 1; V slots 0, 1 (every thread arrives)
+            # Q slot 0; K slots 0, 1; V slots 0, 1; Q slot 1 when a block walks several heads (every thread arrives)
+            bar = T.alloc_barrier([128] * (6 if multi else 5))
             T.annotate_layout({b: tilelang.layout.make_swizzled_layout(b) for b in (Q_s, K_s, V_s)})
 
             row = Tiles[bt, 0]
             q0 = Tiles[bt, 1]
             start = Cu[row]
             L = Cu[row + 1] - start
+            h0 = bg * hp
             if window > 0:
                 k_lo = T.max(0, q0 - window) // bn
                 k_hi = T.min(T.ceildiv(L, bn), T.ceildiv(q0 + bm + window, bn))
@@ -315,68 +368,88 @@ def build_attention_overlap(heads: int, window: int = 0, cfg: AttnConfig = OVERL
                 k_lo = 0
                 k_hi = T.ceildiv(L, bn)
             n = k_hi - k_lo
+            na = T.min(hp, heads - h0) * n if multi else n    # key blocks of the block's whole run
 
             if q0 < L:   # a padding tile (or a row's missing tail) does nothing; here n >= 1
-                T.tma_copy(QKV[start + q0:start + q0 + bm, bh * D:bh * D + D], Q_s, barrier=bar[0])
+                if multi:
+                    T.tma_copy(QKV[start + q0:start + q0 + bm, h0 * D:h0 * D + D], Q_s[0, :, :], barrier=bar[0])
+                else:
+                    T.tma_copy(QKV[start + q0:start + q0 + bm, h0 * D:h0 * D + D], Q_s, barrier=bar[0])
                 T.barrier_arrive(bar[0])
-                T.tma_copy(QKV[start + k_lo * bn:start + k_lo * bn + bn, HD + bh * D:HD + bh * D + D],
-                           K_s[0, :, :], barrier=bar[1])
-                T.barrier_arrive(bar[1])
-                T.tma_copy(QKV[start + k_lo * bn:start + k_lo * bn + bn, 2 * HD + bh * D:2 * HD + bh * D + D],
-                           V_s[0, :, :], barrier=bar[3])
-                T.barrier_arrive(bar[3])
-                if n > 1:
-                    T.tma_copy(QKV[start + k_lo * bn + bn:start + k_lo * bn + 2 * bn, HD + bh * D:HD + bh * D + D],
-                               K_s[1, :, :], barrier=bar[2])
-                    T.barrier_arrive(bar[2])
+                load(QKV, K_s, 0, bar, 1, 0, 1, start, k_lo, n, h0)
+                load(QKV, V_s, 0, bar, 3, 0, 2, start, k_lo, n, h0)
+                if na > 1:
+                    load(QKV, K_s, 1, bar, 2, 1, 1, start, k_lo, n, h0)
+                    if multi:
+                        if n == 1:   # block 1 starts the second head
+                            T.tma_copy(QKV[start + q0:start + q0 + bm, h0 * D + D:h0 * D + 2 * D], Q_s[1, :, :],
+                                       barrier=bar[5])
+                            T.barrier_arrive(bar[5])
                 T.fill(acc, 0)
                 T.fill(lsum, 0)
                 T.fill(m, NEG)
                 T.mbarrier_wait_parity(bar[0], 0)
                 T.mbarrier_wait_parity(bar[1], 0)
-                T.wgmma_gemm(Q_s, K_s[0, :, :], s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow,
-                             clear_accum=True)
+                if multi:
+                    T.wgmma_gemm(Q_s[0, :, :], K_s[0, :, :], s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow,
+                                 clear_accum=True)
+                else:
+                    T.wgmma_gemm(Q_s, K_s[0, :, :], s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow,
+                                 clear_accum=True)
                 T.wait_wgmma(0)
                 T.warpgroup_fence_operand(s, num_regs=regs)
                 softmax(s, m, m_prev, sc, ms, rs, lsum, k_lo, q0, L)
                 T.copy(s, s_c)
-                for it in T.serial(1, n):
-                    kb = k_lo + it
+                for it in T.serial(1, na):
+                    kb = k_lo + T.truncmod(it, n) if multi else k_lo + it
                     b = it % 2
-                    # every warp has waited for the products that read K slot 1 - b (block it - 1's QK^T) and V
-                    # slot b (block it - 2's PV)
+                    # every warp has waited for the products that read K slot 1 - b (block it - 1's QK^T), V
+                    # slot b (block it - 2's PV) and the Q slot about to be refilled (two heads back)
                     T.sync_threads()
-                    T.tma_copy(QKV[start + kb * bn:start + kb * bn + bn, 2 * HD + bh * D:2 * HD + bh * D + D],
-                               V_s[b, :, :], barrier=bar[3 + b])
-                    T.barrier_arrive(bar[3 + b])
-                    if it + 1 < n:
-                        T.tma_copy(QKV[start + kb * bn + bn:start + kb * bn + 2 * bn, HD + bh * D:HD + bh * D + D],
-                                   K_s[1 - b, :, :], barrier=bar[2 - b])
-                        T.barrier_arrive(bar[2 - b])
+                    load(QKV, V_s, b, bar, 3 + b, it, 2, start, k_lo, n, h0)
+                    if it + 1 < na:
+                        load(QKV, K_s, 1 - b, bar, 2 - b, it + 1, 1, start, k_lo, n, h0)
+                        if multi:
+                            # the next head's Q, into the slot of the head before this one
+                            if T.truncmod(it + 1, n) == 0:
+                                hr = T.truncdiv(it + 1, n)
+                                T.tma_copy(QKV[start + q0:start + q0 + bm, (h0 + hr) * D:(h0 + hr) * D + D],
+                                           Q_s[hr % 2, :, :], barrier=bar[hr % 2 * 5])
+                                T.barrier_arrive(bar[hr % 2 * 5])
                     T.mbarrier_wait_parity(bar[1 + b], (it // 2) & 1)
-                    T.wgmma_gemm(Q_s, K_s[b, :, :], s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow,
-                                 clear_accum=True)
+                    if multi:
+                        if T.truncmod(it, n) == 0:
+                            T.mbarrier_wait_parity(bar[T.truncdiv(it, n) % 2 * 5], (T.truncdiv(it, n) // 2) & 1)
+                        T.wgmma_gemm(Q_s[T.truncdiv(it, n) % 2, :, :], K_s[b, :, :], s, transpose_B=True,
+                                     policy=T.GemmWarpPolicy.FullRow, clear_accum=True)
+                    else:
+                        T.wgmma_gemm(Q_s, K_s[b, :, :], s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow,
+                                     clear_accum=True)
                     T.mbarrier_wait_parity(bar[4 - b], ((it - 1) // 2) & 1)
                     T.wgmma_gemm(s_c, V_s[1 - b, :, :], acc, policy=T.GemmWarpPolicy.FullRow)
                     T.wait_wgmma(1)               # QK^T done; PV of the previous block still running
                     T.warpgroup_fence_operand(s, num_regs=regs)
-                    softmax(s, m, m_prev, sc, ms, rs, lsum, kb, q0, L)
-                    T.wait_wgmma(0)
-                    T.warpgroup_fence_operand(acc, num_regs=regs)
-                    T.copy(s, s_c)
-                    for i, j in T.Parallel(bm, D):
-                        acc[i, j] = acc[i, j] * sc[i]
-                T.mbarrier_wait_parity(bar[3 + (n - 1) % 2], ((n - 1) // 2) & 1)
-                T.wgmma_gemm(s_c, V_s[(n - 1) % 2, :, :], acc, policy=T.GemmWarpPolicy.FullRow)
+                    if multi:
+                        if T.truncmod(it, n) == 0:
+                            # a new head: the last one's PV done, its output out, the softmax state restarted
+                            T.wait_wgmma(0)
+                            T.warpgroup_fence_operand(acc, num_regs=regs)
+                            finish(Out, acc, lsum, O_s, 1 - b, start, q0, L, h0 + T.truncdiv(it, n) - 1)
+                            T.fill(acc, 0)
+                            T.fill(lsum, 0)
+                            T.fill(m, NEG)
+                            softmax(s, m, m_prev, sc, ms, rs, lsum, kb, q0, L)
+                            T.copy(s, s_c)
+                        else:
+                            step(s, s_c, acc, m, m_prev, sc, ms, rs, lsum, kb, q0, L)
+                    else:
+                        step(s, s_c, acc, m, m_prev, sc, ms, rs, lsum, kb, q0, L)
+                T.mbarrier_wait_parity(bar[3 + (na - 1) % 2], ((na - 1) // 2) & 1)
+                T.wgmma_gemm(s_c, V_s[(na - 1) % 2, :, :], acc, policy=T.GemmWarpPolicy.FullRow)
                 T.wait_wgmma(0)
                 T.warpgroup_fence_operand(acc, num_regs=regs)
-                for i, j in T.Parallel(bm, D):
-                    acc[i, j] = acc[i, j] / T.max(lsum[i], 1e-30)
-                T.copy(acc, O_s)
-                T.sync_threads()
-                for i, j in T.Parallel(bm, D):
-                    if q0 + i < L:
-                        Out[start + q0 + i, bh * D + j] = O_s[i, j]
+                finish(Out, acc, lsum, O_s, (na - 1) % 2 if multi else 0, start, q0, L,
+                       h0 + T.truncdiv(na - 1, n) if multi else h0)
 
     return main
 

@@ -7,6 +7,7 @@ from dataclasses import replace
 import torch
 
 from bench.fastpath_sweep import ATTENTION, SWEEP_GEGLU, SWEEP_GEMM
+from kernels import attention as _attn
 from kernels import geglu as _geglu
 from kernels import gemm as _gemm
 from kernels import gemm_manual as _gm
@@ -37,6 +38,7 @@ def test_specs() -> list[tuple[str, tuple]]:
     out += [("add_ln", (1024, m, False, 1e-5, torch.float8_e4m3fn)) for m in ("add", "inplace")]
     for c in ATTENTION:
         out += [("attention", (16, w, c)) for w in (0, 64)] + [("attention", (2, 0, c))]
+    out += [("attention", (h, w, replace(_attn.OVERLAP, hp=hp))) for h, hp in ((3, 2), (5, 4)) for w in (0, 64)]
     return out + manual_test_specs()
 
 

@@ -238,6 +238,28 @@ def test_attention_without_warp_specialisation_compiles_for_hopper(monkeypatch, 
 
 
 @needs_tilelang
+@pytest.mark.parametrize("window", [0, 64])
+def test_attention_walking_several_heads_a_block_compiles_for_hopper(monkeypatch, window):
+    """hp > 1: a block of the overlapped kernel takes hp heads of its query tile in turn. The next head's Q loads
+    inside the loop (two more TMA loads than one head a block), each finished head is written through a V slot
+    (two more syncs), and the dynamic shared memory stays one head's 48 KiB, so four blocks still fit an SM."""
+    from dataclasses import replace
+
+    use_sm90(monkeypatch)
+    one = attention.attention_kernel(16, window, attention.OVERLAP)
+    four = attention.attention_kernel(16, window, replace(attention.OVERLAP, hp=4))
+    src = four.get_kernel_source()
+    assert "lf_attn_h16_w%d_c64x64s1t128gnlvh4_pdl_kernel" % window in src
+    assert src.count("tl::tma_load(QKV_desc") == 8 and src.count("__syncthreads()") == 6
+    assert "fence_proxy_async" in src and "fence_proxy_async" not in one.get_kernel_source()
+    for k in (one, four):
+        assert "((int64_t)49152)" in k.get_host_source(), "dynamic shared memory is not 48 KiB"
+    attention.attention_kernel(3, window, replace(attention.OVERLAP, hp=2))   # the last block takes one head
+    with pytest.raises(ValueError, match="overlapped kernel only"):
+        attention.build_attention(16, window, replace(attention.LEAN, hp=2))
+
+
+@needs_tilelang
 def test_persistent_and_rope_fused_gemms_compile_for_hopper(monkeypatch):
     """A persistent GEMM launches one block per SM (a fixed grid) that loops over the tiles; the RoPE-fused Wqkv
     GEMM takes positions and tables, rotates Q/K tiles in shared memory and stores every tile through TMA (no
@@ -602,6 +624,28 @@ def test_attention_every_length_up_to_1024():
             out = _poison(qkv.shape[0], 128)
             attention.attention(qkv, cu, tiles, 2, window, out=out, cfg=cfg)
             _close(out, attention.attention_ref(qkv, cu, 2, window), 1e-2)
+
+
+@gpu
+@needs_tilelang
+@pytest.mark.parametrize("heads,hp", [(3, 2), (5, 4)])
+@pytest.mark.parametrize("window", [0, 64])
+def test_attention_walking_heads_that_do_not_fill_the_last_block(heads, hp, window):
+    """Several heads a block where hp does not divide the heads: the last block takes the rest; one-block rows
+    (the next head's Q loaded before the loop), rows of many key blocks, and padding tiles."""
+    from dataclasses import replace
+
+    lengths = [1, 63, 64, 65, 129, 300, 7, 520]
+    qkv, cu = _packed_qkv(lengths, heads, extra=29, seed=heads, device=DEV)
+    qkv = qkv.bfloat16()
+    total = int(sum(lengths))
+    cu_full = torch.cat([cu, cu[-1:].repeat(2)])
+    tiles = attention.tile_table(lengths, 64, capacity=-(-total // 64) + len(lengths) + 3, empty_row=len(lengths))
+    out = _poison(total + 29, heads * 64)
+    attention.attention(qkv, cu_full, torch.from_numpy(tiles).to(DEV), heads, window, out=out,
+                        cfg=replace(attention.OVERLAP, hp=hp))
+    _close(out[:total], attention.attention_ref(qkv, cu, heads, window)[:total], 1e-2)
+    assert torch.isnan(out[total:].float()).all(), "wrote outside every row"
 
 
 def test_kernels_read_no_project_setting_and_the_target_comes_from_configure(monkeypatch):
