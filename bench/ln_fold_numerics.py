@@ -6,7 +6,9 @@ rounded; the next GEMM multiplies the raw rows by W' = W * gamma (per input colu
 y = rstd * (p(x) @ p(W')^T - mu * colsum(p(W'))) + W @ beta. Or gamma goes on the rows where they are written
 (z = p(x * gamma)) and W stays as the checkpoint has it: y = rstd * (z @ p(W)^T - mu * (p(W) @ gamma)) + W @ beta,
 which skips rounding W * gamma. Either rounds x where today rounds the normalised row, so the error grows with
-|mu| / sigma of the rows, and in fp16 x itself must fit the format.
+|mu| / sigma of the rows, and in fp16 x itself must fit the format. A third way needs no statistics from the
+residual add's epilogue (no atomics across its column tiles): the next GEMM takes mu and rstd from the rounded rows
+p(x) it streams through anyway, in one fp32 pass (sum and sum of squares), with W' = W * gamma as in the first.
 
 The encoder runs in fp32 on e-mail-like rows; every LayerNorm whose output feeds Wqkv or Wi (the embeddings' norm,
 then each layer's attention and MLP norms) gives its input rows, and both ways are compared against fp64 per
@@ -90,17 +92,23 @@ def compare(x: torch.Tensor, norm: torch.nn.LayerNorm, w: torch.Tensor, dt: torc
     wr = w.to(dt)
     acc = (xd * g).to(dt).float() @ wr.float().T
     fold_g = (rstd * (acc.double() - mu * (wr.double() * g).sum(1))).float()
+    # statistics of the rounded rows in one fp32 pass, as the next GEMM's consumers would take them from its A tiles
+    xr = x.to(dt).float()
+    mu_s = xr.sum(1, keepdim=True) / x.shape[1]
+    rstd_s = torch.rsqrt((xr * xr).sum(1, keepdim=True) / x.shape[1] - mu_s * mu_s + eps)
+    fold_s = rstd_s * (xr @ wf.float().T - mu_s * wf.float().sum(1))
     if b is not None:
-        fold, fold_g = fold + (wd @ b).float(), fold_g + (wd @ b).float()
+        fold, fold_g, fold_s = fold + (wd @ b).float(), fold_g + (wd @ b).float(), fold_s + (wd @ b).float()
     scale = ref.pow(2).mean().sqrt().item()
     out = {"rows": int(x.shape[0]), "max_abs_mu_over_sigma": (mu.abs() * rstd).max().item(),
            "max_abs_x": x.abs().max().item(), "x_fits": bool(x.abs().max().item() < torch.finfo(dt).max)}
-    for name, y in (("today", today), ("fold", fold), ("fold_g", fold_g)):
+    for name, y in (("today", today), ("fold", fold), ("fold_g", fold_g), ("fold_s", fold_s)):
         err = (y.double() - ref)
         out[name + "_rms"] = err.pow(2).mean().sqrt().item() / scale
         out[name + "_max"] = err.abs().max().item() / scale
     out["ratio_rms"] = out["fold_rms"] / max(out["today_rms"], 1e-30)
     out["ratio_g_rms"] = out["fold_g_rms"] / max(out["today_rms"], 1e-30)
+    out["ratio_s_rms"] = out["fold_s_rms"] / max(out["today_rms"], 1e-30)
     return out
 
 
@@ -126,6 +134,7 @@ def plot(res: dict, path: str) -> None:
         ax.plot([p["today_rms"] for p in per], label="%s today" % dt)
         ax.plot([p["fold_rms"] for p in per], "--", label="%s folded, W * gamma" % dt)
         ax.plot([p["fold_g_rms"] for p in per], ":", label="%s folded, gamma on the rows" % dt)
+        ax.plot([p["fold_s_rms"] for p in per], "-.", label="%s folded, W * gamma, statistics of p(x)" % dt)
     ax.set_yscale("log")
     ax.set_xlabel("LayerNorm feeding a GEMM (embeddings, then attention / MLP norm per layer)")
     ax.set_ylabel("RMS error / RMS of the product")
@@ -156,25 +165,28 @@ def main() -> int:
                          "torch": torch.__version__, "rows": args.rows, "tokens": int(mask.sum()),
                          "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")},
                  "norms": [name for name, *_ in caught], "dtypes": {}}
-    print("%-22s %6s %8s %8s %10s %10s %10s %6s %6s" % ("LayerNorm", "dtype", "|mu|/sd", "max |x|", "today rms",
-                                                      "W*g rms", "g-rows rms", "ratio", "ratio"))
+    print("%-22s %6s %8s %8s %10s %10s %10s %10s %6s %6s %6s" % (
+        "LayerNorm", "dtype", "|mu|/sd", "max |x|", "today rms", "W*g rms", "g-rows rms", "p(x)-st rms", "ratio",
+        "ratio", "ratio"))
     for dn, dt in DTYPES.items():
         per = []
         for name, x, norm, w in caught:
             r = compare(x, norm, w, dt)
             per.append({"norm": name, **r})
-            print("%-22s %6s %8.3f %8.3g %10.3g %10.3g %10.3g %6.2f %6.2f%s" % (
+            print("%-22s %6s %8.3f %8.3g %10.3g %10.3g %10.3g %10.3g %6.2f %6.2f %6.2f%s" % (
                 name, dn, r["max_abs_mu_over_sigma"], r["max_abs_x"], r["today_rms"], r["fold_rms"],
-                r["fold_g_rms"], r["ratio_rms"], r["ratio_g_rms"], "" if r["x_fits"] else "  x overflows " + dn))
+                r["fold_g_rms"], r["fold_s_rms"], r["ratio_rms"], r["ratio_g_rms"], r["ratio_s_rms"],
+                "" if r["x_fits"] else "  x overflows " + dn))
         res["dtypes"][dn] = per
         summary = {"x_fits_everywhere": all(q["x_fits"] for q in per)}
-        for key in ("ratio_rms", "ratio_g_rms"):
+        for key in ("ratio_rms", "ratio_g_rms", "ratio_s_rms"):
             worst = max(per, key=lambda q: q[key])
             summary["worst_" + key], summary["worst_" + key + "_norm"] = round(worst[key], 3), worst["norm"]
         res.setdefault("summary", {})[dn] = summary
-        print("%s: RMS error against today's at most %.2fx with W * gamma, %.2fx with gamma on the rows%s" % (
-            dn, summary["worst_ratio_rms"], summary["worst_ratio_g_rms"],
-            "" if summary["x_fits_everywhere"] else "; some rows overflow " + dn))
+        print("%s: RMS error against today's at most %.2fx with W * gamma, %.2fx with gamma on the rows, %.2fx with "
+              "W * gamma and the statistics of p(x)%s" % (
+                  dn, summary["worst_ratio_rms"], summary["worst_ratio_g_rms"], summary["worst_ratio_s_rms"],
+                  "" if summary["x_fits_everywhere"] else "; some rows overflow " + dn))
     res["seconds"] = round(time.perf_counter() - t0, 1)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w", encoding="utf-8") as fh:
