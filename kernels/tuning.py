@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from . import attention as _attn
 from . import geglu as _geglu
 from . import gemm as _gemm
 from . import gemm_manual as _gm
@@ -33,7 +34,8 @@ class Tuning:
     larger ones the large-M kernels; gemm / geglu: "NxK" (or "FxK") -> config for more than small_m rows; add_ln:
     "D" -> config; gemm_ws: "gemm" / "geglu" (every product of that form) or "gemm:NxK" / "geglu:FxK" (one
     product); gemm_small / geglu_small: "NxK" / "FxK" -> config for up to small_m rows (else gemm.SMALL /
-    geglu.SMALL)."""
+    geglu.SMALL); attn_hp / attn_hp_m: token buckets of at least attn_hp_m tokens (more than small_m) run the
+    overlapped attention with attn_hp heads a block (1: one head a block everywhere)."""
 
     gemm: Mapping[str, Any] = field(default_factory=dict)
     geglu: Mapping[str, Any] = field(default_factory=dict)
@@ -42,19 +44,26 @@ class Tuning:
     gemm_small: Mapping[str, Any] = field(default_factory=dict)
     geglu_small: Mapping[str, Any] = field(default_factory=dict)
     small_m: int = _gemm.SMALL_M
+    attn_hp: int = 1
+    attn_hp_m: int = 0
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Tuning:
         """A table from its JSON form ({op: {key: config fields}}, and "small_m": rows); ValueError for an unknown
         op or a small_m that is not a positive multiple of 64 (the token buckets' step)."""
-        unknown = set(data) - set(_CLASSES) - {"small_m"}
+        unknown = set(data) - set(_CLASSES) - {"small_m", "attn_hp", "attn_hp_m"}
         if unknown:
-            raise ValueError("unknown ops in a tuning table: %s (use %s or small_m)"
+            raise ValueError("unknown ops in a tuning table: %s (use %s, small_m, attn_hp or attn_hp_m)"
                              % (sorted(unknown), sorted(_CLASSES)))
         small_m = data.get("small_m", _gemm.SMALL_M)
         if isinstance(small_m, bool) or not isinstance(small_m, int) or small_m < 64 or small_m % 64:
             raise ValueError("small_m in a tuning table must be a positive multiple of 64, got %r" % (small_m,))
-        return cls(small_m=small_m,
+        hp, hp_m = data.get("attn_hp", 1), data.get("attn_hp_m", 0)
+        if any(isinstance(v, bool) or not isinstance(v, int) for v in (hp, hp_m)) or hp < 1 or \
+                (hp > 1 and hp_m <= small_m):
+            raise ValueError("attn_hp in a tuning table is a count of heads (>= 1) and attn_hp_m, where it starts, "
+                             "a bucket of more than small_m tokens; got %r and %r" % (hp, hp_m))
+        return cls(small_m=small_m, attn_hp=hp, attn_hp_m=hp_m,
                    **{op: {k: _CLASSES[op](**v) for k, v in data.get(op, {}).items()} for op in _CLASSES})
 
     @classmethod
@@ -67,7 +76,7 @@ class Tuning:
 
     def as_dict(self) -> dict[str, Any]:
         """The JSON form `from_dict` reads."""
-        return {"small_m": self.small_m,
+        return {"small_m": self.small_m, "attn_hp": self.attn_hp, "attn_hp_m": self.attn_hp_m,
                 **{op: {k: asdict(v) for k, v in sorted(getattr(self, op).items())} for op in _CLASSES}}
 
     def with_entry(self, op: str, key: str, cfg: Any) -> Tuning:
@@ -95,6 +104,15 @@ def pick_geglu(M: int, Fd: int, K: int, table: Tuning = TABLE) -> _geglu.GegluCo
     if M <= table.small_m:
         return table.geglu_small.get("%dx%d" % (Fd, K)) or _geglu.SMALL
     return table.geglu.get("%dx%d" % (Fd, K)) or _geglu.LARGE
+
+
+def pick_attention(M: int, cfg: _attn.AttnConfig, table: Tuning = TABLE) -> _attn.AttnConfig:
+    """The attention config a bucket of M tokens runs: `cfg`, or where `cfg` is the overlapped kernel with one head
+    a block and M >= the table's attn_hp_m, the same walking attn_hp heads a block (fewer, longer blocks pay only
+    where many are left to fill the GPU)."""
+    if cfg.overlap and cfg.hp == 1 and table.attn_hp > 1 and M >= table.attn_hp_m:
+        return replace(cfg, hp=table.attn_hp)
+    return cfg
 
 
 def pick_add_ln(D: int, table: Tuning = TABLE) -> _ln.LNConfig:
@@ -130,4 +148,5 @@ def pick_gemm_ws8(M: int, N: int, geglu: bool = False, *, arch: str, sms: int, t
     return base if base.persistent == sms else replace(base, persistent=sms)
 
 
-__all__ = ["Tuning", "TABLE", "PATH", "pick_gemm", "pick_geglu", "pick_add_ln", "pick_gemm_ws", "pick_gemm_ws8"]
+__all__ = ["Tuning", "TABLE", "PATH", "pick_gemm", "pick_geglu", "pick_attention", "pick_add_ln", "pick_gemm_ws",
+           "pick_gemm_ws8"]

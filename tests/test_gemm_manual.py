@@ -94,7 +94,7 @@ def test_a_tuning_table_round_trips_through_its_json_form(tmp_path):
 def test_small_m_moves_where_the_small_tiles_end(tmp_path):
     """The table's small_m decides which token buckets run the small tiles, for every pick, and the forward's
     kernel list keeps the same kernels (M is dynamic: only the bucket at which they switch moves)."""
-    wide = tuning.Tuning(small_m=1024)
+    wide = replace(tuning.TABLE, small_m=1024)
     assert _pick(1024, 3072, BF, BF, table=wide) is None and _pick(1025, 3072, BF, BF, table=wide) == gm.GEMM
     assert tuning.pick_gemm(1024, 3072, 1024, wide) == gemm.SMALL
     assert tuning.pick_gemm(1024, 3072, 1024) == gemm.LARGE
@@ -108,6 +108,34 @@ def test_small_m_moves_where_the_small_tiles_end(tmp_path):
     for bad in (100, 0, -64, "512", True):
         with pytest.raises(ValueError, match="small_m"):
             tuning.Tuning.from_dict({"small_m": bad})
+
+
+def test_attention_walks_several_heads_a_block_only_in_the_largest_buckets(tmp_path):
+    """attn_hp / attn_hp_m: the overlapped attention takes attn_hp heads a block from attn_hp_m tokens up (where
+    bench/fast_path.py's sweep timed it faster) and one head a block below, where fewer, longer blocks leave the GPU
+    idle; the forward's kernel list builds both, another attention config is left as it is, and a bad table is
+    refused."""
+    from kernels import attention
+
+    table = tuning.Tuning(attn_hp=4, attn_hp_m=65536)
+    ov = attention.OVERLAP
+    assert tuning.pick_attention(65536, ov, table) == replace(ov, hp=4)
+    assert tuning.pick_attention(65535, ov, table) == ov and tuning.pick_attention(83, ov, table) == ov
+    assert tuning.pick_attention(1 << 20, attention.LEAN, table) == attention.LEAN
+    assert tuning.pick_attention(1 << 20, ov, tuning.Tuning()) == ov
+    dims = dict(d=1024, heads=16, inter=2624, ffn=4096, windows={0, 64}, arch="sm_90a", sms=132)
+    attn = [a for op, a in forward.kernel_specs(**dims, table=table) if op == "attention"]
+    assert sorted((a[1], a[2].hp) for a in attn) == [(0, 1), (0, 4), (64, 1), (64, 4)]
+    # the forward asks for what it lists: every bucket's pick is among the specs
+    for M in (64, 1024, 65536, 131072):
+        assert (64, tuning.pick_attention(M, ov, table)) in {(a[1], a[2]) for a in attn}
+    path = tmp_path / "tuning.json"
+    path.write_text(json.dumps(table.as_dict()))
+    assert tuning.Tuning.from_json(str(path)) == table
+    for bad in ({"attn_hp": 0}, {"attn_hp": 4, "attn_hp_m": 128}, {"attn_hp": "4", "attn_hp_m": 65536},
+                {"attn_hp": 2, "attn_hp_m": True}):
+        with pytest.raises(ValueError, match="attn_hp"):
+            tuning.Tuning.from_dict(bad)
 
 
 def test_a_small_tile_winner_runs_for_its_product_up_to_small_m(tmp_path):

@@ -23,7 +23,7 @@ from kernels import gemm as _gemm
 from kernels import gemm_manual as _gm
 from kernels import layernorm as _ln
 from kernels import rope as _rope
-from kernels.tuning import pick_add_ln, pick_geglu, pick_gemm, pick_gemm_ws, pick_gemm_ws8
+from kernels.tuning import pick_add_ln, pick_attention, pick_geglu, pick_gemm, pick_gemm_ws, pick_gemm_ws8
 from model.network import confidence_features
 from model.sequence import Row
 
@@ -152,7 +152,8 @@ class ForwardOps(Profiling):
     def _attention(self, qkv, v, heads, window, out):
         tok = self._mark("attention %s" % ("window %d" % window if window else "full %d heads" % heads))
         if self.ops["attention"] == "tilelang":
-            _attn.attention_kernel(heads, window, self.attn_cfg, qkv.dtype)(qkv, v["cu"], v["tiles"], out)
+            cfg = pick_attention(qkv.shape[0], self.attn_cfg, self.tuning)   # qkv holds the whole bucket
+            _attn.attention_kernel(heads, window, cfg, qkv.dtype)(qkv, v["cu"], v["tiles"], out)
         elif qkv.is_cuda:  # a dense mask needs no host sync, so the forward can be graph-captured
             out.copy_(_attn.attention_dense(qkv, v["trow"], v["pos"], heads, window))
         else:  # CPU: row by row, the sum of each row's L^2 rather than the chunk's T^2

@@ -18,7 +18,7 @@ from kernels import gemm_manual as _gm
 from kernels import layernorm as _ln
 from kernels import quant as _quant
 from kernels import rope as _rope
-from kernels.tuning import TABLE, Tuning, pick_add_ln, pick_geglu, pick_gemm, pick_gemm_ws
+from kernels.tuning import TABLE, Tuning, pick_add_ln, pick_attention, pick_geglu, pick_gemm, pick_gemm_ws
 
 from .weights import SCORER_PAD
 
@@ -29,12 +29,17 @@ PDL = "@pdl"   # a spec kind's suffix: the build with programmatic dependent lau
 
 def with_pdl(specs: list[tuple[str, tuple]], mode: str) -> list[tuple[str, tuple]]:
     """The builds of `specs` (kernels any batch may run) a forward in PDL `mode` needs: "off" the plain ones, "all"
-    the PDL ones, "small" both (PDL for the small-tile regime's batches, plain for larger ones). A spec of the
-    hand-warp-specialised GEMMs (kind gemm_ws), which only large batches run, gets no PDL build under "small"."""
+    the PDL ones, "small" both (PDL for the small-tile regime's batches, plain for larger ones). What only large
+    batches run (the hand-warp-specialised GEMMs, kind gemm_ws, and attention walking several heads a block) gets
+    no PDL build under "small"."""
     if mode == "off":
         return specs
-    tagged = [(kind + PDL, args) for kind, args in specs if mode == "all" or kind != "gemm_ws"]
+    tagged = [(kind + PDL, args) for kind, args in specs if mode == "all" or not _large_only(kind, args)]
     return tagged if mode == "all" else specs + tagged
+
+
+def _large_only(kind: str, args: tuple) -> bool:
+    return kind == "gemm_ws" or (kind == "attention" and args[2].hp > 1)
 
 
 def sm_count(device: torch.device | None = None) -> int:
@@ -99,9 +104,11 @@ def kernel_specs(d: int, heads: int, inter: int, ffn: int, windows, eps: float =
     for e in sorted(set(head_eps)):
         specs += [("add_ln", (d, "plain", True, e, adt, *ln)), ("add_ln", (d, "add", True, e, adt, *ln))]
     specs.append(("rope", (heads, _rope.RopeConfig(), dtype) if half else (heads,)))
-    for win in sorted(set(windows) | {0}):
-        specs.append(("attention", (heads, win, attn_cfg, *half)))
-    specs.append(("attention", (max(1, d // 64), 0, attn_cfg, *half)))
+    big_attn = pick_attention(max(big, table.attn_hp_m), attn_cfg, table)   # the largest buckets' form
+    for cfg in dict.fromkeys((attn_cfg, big_attn)):
+        for win in sorted(set(windows) | {0}):
+            specs.append(("attention", (heads, win, cfg, *half)))
+        specs.append(("attention", (max(1, d // 64), 0, cfg, *half)))
     if pdl == "small":   # small-tile GEMMs run only in small batches (and the head's gathered rows): PDL builds
         return list(dict.fromkeys(with_pdl(specs, pdl) + [(kind + PDL, args) for kind, args in small]))
     return list(dict.fromkeys(with_pdl(small + specs, pdl)))
