@@ -49,8 +49,9 @@ class Tuning:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Tuning:
-        """A table from its JSON form ({op: {key: config fields}}, and "small_m": rows); ValueError for an unknown
-        op or a small_m that is not a positive multiple of 64 (the token buckets' step)."""
+        """A table from its JSON form ({op: {key: config fields}}, "small_m": rows, "attn_hp": heads a block,
+        "attn_hp_m": rows); ValueError for an unknown op, a small_m that is not a positive multiple of 64 (the token
+        buckets' step), or an attn_hp below 1 or, above 1, starting at a bucket the small tiles run."""
         unknown = set(data) - set(_CLASSES) - {"small_m", "attn_hp", "attn_hp_m"}
         if unknown:
             raise ValueError("unknown ops in a tuning table: %s (use %s, small_m, attn_hp or attn_hp_m)"
