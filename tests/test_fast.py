@@ -254,6 +254,23 @@ def test_kernel_specs_build_pdl_where_each_batch_size_runs_it():
     assert {spec_op(sp) for sp in small} == {spec_op(sp) for sp in off}
 
 
+def test_warmup_to_larger_buckets_builds_what_they_run(bundle, monkeypatch):
+    """Kernels that only larger buckets run (kernel_specs' max_tokens) are built when a warm-up grows the buffers,
+    in one parallel build, and not again when it does not grow them; torch ops build nothing."""
+    fast = make_backend(load_model(bundle), bundle, torch.device("cpu"), ops="torch", max_batch_tokens=1024)
+    ff = fast.engine
+    grown, built = [], []
+    real_grown = ff._grown
+    monkeypatch.setattr(ff, "_grown", lambda: (grown.append(ff.T_max), real_grown()))
+    monkeypatch.setattr(ff, "_compile_all", lambda workers: built.append(ff.T_max))
+    fast.warmup(4096)
+    fast.warmup(2048)
+    assert grown == [ff.T_max] and ff.T_max >= 4096 and built == []   # torch ops only: nothing to build
+    monkeypatch.setattr(ff, "ops", dict(ff.ops, attention="tilelang"))
+    real_grown()
+    assert built == [ff.T_max]
+
+
 def test_auto_falls_back_to_eager_without_cuda(tiny_checkpoint):
     import model
 

@@ -126,6 +126,11 @@ def test_attention_walks_several_heads_a_block_only_in_the_largest_buckets(tmp_p
     dims = dict(d=1024, heads=16, inter=2624, ffn=4096, windows={0, 64}, arch="sm_90a", sms=132)
     attn = [a for op, a in forward.kernel_specs(**dims, table=table) if op == "attention"]
     assert sorted((a[1], a[2].hp) for a in attn) == [(0, 1), (0, 4), (64, 1), (64, 4)]
+    # an engine whose buckets stop short of attn_hp_m lists the one-head form only
+    short = [a for op, a in forward.kernel_specs(**dims, table=table, max_tokens=16384) if op == "attention"]
+    assert sorted((a[1], a[2].hp) for a in short) == [(0, 1), (64, 1)]
+    long = [a for op, a in forward.kernel_specs(**dims, table=table, max_tokens=131072) if op == "attention"]
+    assert sorted(long, key=lambda a: (a[1], a[2].hp)) == sorted(attn, key=lambda a: (a[1], a[2].hp))
     # the forward asks for what it lists: every bucket's pick is among the specs
     for M in (64, 1024, 65536, 131072):
         assert (64, tuning.pick_attention(M, ov, table)) in {(a[1], a[2]) for a in attn}

@@ -143,7 +143,7 @@ class FastForward(ForwardOps, GraphRunner, Packing, DeviceWeights):
                              {hl.norm1[2] for hl in self.head_layers} | {hl.norm2[2] for hl in self.head_layers}
                              | {self.scorer_norm[2]}, ly.bqkv is not None, ly.bo is not None,
                              self.emb_norm[1] is not None, self.attn_cfg, self.act_dtype, table=self.tuning,
-                             arch=self.arch, sms=self.sms, pdl=self.pdl)
+                             arch=self.arch, sms=self.sms, pdl=self.pdl, max_tokens=self.T_max)
         if self.fp8:
             specs += with_pdl(self._fp8_specs(), self.pdl)
         return [sp for sp in specs if self.ops[spec_op(sp)] == "tilelang"]
@@ -160,6 +160,14 @@ class FastForward(ForwardOps, GraphRunner, Packing, DeviceWeights):
             compile_specs(self._kernel_specs(), workers)
         except Exception as e:  # nvcc missing, unsupported arch, a TileLang lowering error
             raise BackendUnavailable("compiling the TileLang kernels failed: %s: %s" % (type(e).__name__, e)) from e
+
+    def _grown(self) -> None:
+        """The buffers grew to larger buckets (warm-up with a larger budget): build the kernels only those run
+        (kernel_specs' max_tokens), in parallel now rather than one by one at their first launch."""
+        if "tilelang" in self.ops.values():
+            t = time.perf_counter()
+            self._compile_all(None)   # kernels already built come from the process's memo
+            self.stats.compile_s += time.perf_counter() - t
 
 
 class FastBackend:

@@ -120,7 +120,10 @@ class GraphRunner:
         t = time.perf_counter()
         with self._lock:
             if max_batch_tokens:
+                top = self.T_max
                 self._alloc(max_batch_tokens)
+                if self.T_max > top:
+                    self._grown()
             if not self.use_graphs:
                 # one real forward per kernel configuration: loads every module before traffic
                 small = [b for b in self.buckets if b <= self.tuning.small_m]

@@ -54,11 +54,12 @@ def kernel_specs(d: int, heads: int, inter: int, ffn: int, windows, eps: float =
                  qkv_bias: bool = False, out_bias: bool = False, norm_bias: bool = False,
                  attn_cfg: _attn.AttnConfig = _attn.DEFAULT,
                  dtype: torch.dtype = torch.bfloat16, *, table: Tuning = TABLE, arch: str | None = None,
-                 sms: int | None = None, pdl: str = "off") -> list[tuple[str, tuple]]:
+                 sms: int | None = None, pdl: str = "off", max_tokens: int | None = None) -> list[tuple[str, tuple]]:
     """Every (op, builder args) the forward of a model of this shape launches (both tile regimes); `dtype` is
     the activations' and GEMM weights' (bf16, or fp16: those specs carry it as a last argument). Tiles come from
     `table` for `arch` (default: the TileLang target) with `sms` multiprocessors (default: this GPU's). `pdl` (a
-    PDL_MODES mode) adds the programmatic-dependent-launch builds, kinds suffixed PDL (`with_pdl`)."""
+    PDL_MODES mode) adds the programmatic-dependent-launch builds, kinds suffixed PDL (`with_pdl`). `max_tokens`:
+    the forward's largest token bucket (None: any), so kernels of larger buckets only are left out."""
     arch = arch or _tl.target()["arch"]
     sms = sms or sm_count()
     pdl = pdl if _tl.pdl_arch(arch) else "off"
@@ -104,7 +105,8 @@ def kernel_specs(d: int, heads: int, inter: int, ffn: int, windows, eps: float =
     for e in sorted(set(head_eps)):
         specs += [("add_ln", (d, "plain", True, e, adt, *ln)), ("add_ln", (d, "add", True, e, adt, *ln))]
     specs.append(("rope", (heads, _rope.RopeConfig(), dtype) if half else (heads,)))
-    big_attn = pick_attention(max(big, table.attn_hp_m), attn_cfg, table)   # the largest buckets' form
+    # the largest buckets' attention (several heads a block past attn_hp_m), where the forward's buckets reach it
+    big_attn = pick_attention(max(big, table.attn_hp_m) if max_tokens is None else max_tokens, attn_cfg, table)
     for cfg in dict.fromkeys((attn_cfg, big_attn)):
         for win in sorted(set(windows) | {0}):
             specs.append(("attention", (heads, win, cfg, *half)))
