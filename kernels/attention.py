@@ -253,7 +253,8 @@ def check_overlap_config(cfg: AttnConfig) -> None:
     if not (cfg.bm == cfg.bn == 64 and cfg.threads == 128 and cfg.guard and cfg.lean and not cfg.ws
             and cfg.stages == 1 and cfg.hp >= 1):
         raise ValueError("the overlapped attention is one warpgroup on 64 x 64 tiles, guarded, lean, not "
-                         "warp-specialised, stages=1 (its double buffering is its own); got %s" % cfg.tag())
+                         "warp-specialised, stages=1 (its double buffering is its own), hp >= 1 heads a block; got "
+                         "%s, hp=%r" % (cfg.tag(), cfg.hp))
 
 
 def build_attention_overlap(heads: int, window: int = 0, cfg: AttnConfig = OVERLAP, dtype: str = "bfloat16"):

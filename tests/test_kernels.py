@@ -257,6 +257,8 @@ def test_attention_walking_several_heads_a_block_compiles_for_hopper(monkeypatch
     attention.attention_kernel(3, window, replace(attention.OVERLAP, hp=2))   # the last block takes one head
     with pytest.raises(ValueError, match="overlapped kernel only"):
         attention.build_attention(16, window, replace(attention.LEAN, hp=2))
+    with pytest.raises(ValueError, match="hp=0"):
+        attention.build_attention(16, window, replace(attention.OVERLAP, hp=0))
 
 
 @needs_tilelang
