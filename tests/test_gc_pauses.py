@@ -1,6 +1,7 @@
 """serve_app/online/gc_pauses.py: counting this process's collections and their time."""
 
 import gc
+import os
 
 from serve_app.online import gc_pauses
 
@@ -15,4 +16,4 @@ def test_the_watch_counts_each_generations_collections_and_their_time():
     assert after["collections"][0] >= before["collections"][0] + 1
     assert after["collections"][2] >= before["collections"][2] + 1
     assert after["seconds"][2] > before["seconds"][2] and after["max_ms"][2] > 0
-    assert after["frozen"] == gc.get_freeze_count()
+    assert after["frozen"] == gc.get_freeze_count() and after["pid"] == os.getpid()

@@ -315,6 +315,7 @@ def test_stats_needs_the_bearer_and_counts_requests_and_scorer_calls(app):
     # collections counted since (gc_pauses.py)
     for g in (after["gc"], ing["gc"]):
         assert g["frozen"] > 10000 and len(g["collections"]) == len(g["seconds"]) == len(g["max_ms"]) == 3
+    assert after["gc"]["pid"] != ing["gc"]["pid"]  # split topology: the scorer and the ingress are two processes
     # the Serve request path configs/local.yaml's runtime_env asks for reached the replica (as in prod.yaml)
     assert ing["ray_serve"] == {"grpc_between_deployments": True, "user_code_on_replica_loop": True,
                                 "router_on_replica_loop": True, "direct_ingress": False}

@@ -11,6 +11,7 @@ times show what collections still cost under load (bench/serve_load.py prints ge
 from __future__ import annotations
 
 import gc
+import os
 import threading
 import time
 
@@ -36,9 +37,11 @@ class GcWatch:
         self.max_s[g] = max(self.max_s[g], took)
 
     def snapshot(self) -> dict:
-        """{"collections": [gen0, gen1, gen2], "seconds": [...], "max_ms": [...], "frozen": objects frozen}."""
+        """{"collections": [gen0, gen1, gen2], "seconds": [...], "max_ms": [...], "frozen": objects frozen,
+        "pid": this process}: `frozen` drops as frozen objects are freed, so the pid is what names the process."""
         return {"collections": list(self.counts), "seconds": [round(s, 6) for s in self.seconds],
-                "max_ms": [round(1000.0 * s, 3) for s in self.max_s], "frozen": gc.get_freeze_count()}
+                "max_ms": [round(1000.0 * s, 3) for s in self.max_s], "frozen": gc.get_freeze_count(),
+                "pid": os.getpid()}
 
 
 _watch: GcWatch | None = None

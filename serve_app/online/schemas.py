@@ -269,6 +269,7 @@ class GcCounters(BaseModel):
     seconds: list[float] = Field(description="seconds they took, per generation (the GIL held throughout)")
     max_ms: list[float] = Field(description="the longest of each generation, ms")
     frozen: int = Field(description="objects in the permanent generation (start-up's: Ray Serve freezes them)")
+    pid: int = Field(description="the replica process these counters describe")
 
 
 class IngressCounters(BaseModel):
