@@ -23,6 +23,7 @@ BENCHMARKS.md, "GPU fast path"."""
 import torch
 
 from . import _tl
+from . import ln_fold as _lnf
 from .gemm_ws_config import (
     CLUSTER_MIN_N,
     CONSUMER_REGS,
@@ -35,13 +36,15 @@ from .gemm_ws_config import (
     GEMM8,
     PRODUCER_REGS,
     PRODUCER_THREADS,
+    SMEM_LIMIT,
     GemmWSConfig,
     check_config,
 )
 
 
 def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: bool = False, act: str = "none",
-                      rope_cols: int = 0, geglu: bool = False, dtype: str = "bfloat16", fp8: bool = False):
+                      rope_cols: int = 0, geglu: bool = False, dtype: str = "bfloat16", fp8: bool = False,
+                      ln: str = "", eps: float = 1e-5):
     """The TileLang PrimFunc main(A[M,K], W[N,K], Bias[N] f32, C[M,N]) (A, W, C `dtype`: bfloat16 or float16), M
     dynamic; C = act(A @ W^T + Bias) with the bias read only when `bias`.
 
@@ -53,7 +56,14 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
     fp8: A and W are e4m3 (C stays `dtype`) and every form takes two more arguments last, SA[M] f32 and SB[N] f32
     (SB[2N] for GeGLU): the products are dequantised by row and column scale, C[i, j] = act(SA[i] * SB[j] *
     (A[i] . W[j]) + Bias[j]), before anything else in the epilogue (kernels/quant.py makes A and SA); the GeGLU form
-    rounds both dequantised halves to `dtype` first, as the bf16 Wi product of `torch._scaled_mm` is."""
+    rounds both dequantised halves to `dtype` first, as the bf16 Wi product of `torch._scaled_mm` is.
+
+    ln (16-bit operands; kernels/ln_fold.py is the reference and prepares the weights): "fold": A's rows are the
+    rounded residual stream and the LayerNorm (unit scale, eps `eps`) of each row is applied to the product, C =
+    epi(rstd_i * (A_i . W_j - mu_i * Cs[j]) + Bias[j]) before RoPE / GeGLU, with W the weight times the norm's scale
+    and Cs[NW] f32 its row sums, the row's mean and rstd summed by the consumers from the A tiles they multiply; Cs
+    comes after Bias (the GeGLU form: main(A, Wi, Cs, C)). "residual": the residual add, main(A, W, Bias, X, C)
+    with X[M,N] f32 the stream: X += A @ W^T + Bias, and C = X rounded (the next fold's A)."""
     from .gemm import ACTS, apply_act
 
     wt, ab = 2 if geglu else 1, 1 if fp8 else 2
@@ -64,6 +74,12 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
         raise ValueError("a RoPE epilogue needs rope_cols a multiple of 64, no activation and a chunked epilogue")
     if geglu and (bias or act != "none"):
         raise ValueError("the GeGLU form takes no bias or activation")
+    fold, resid = ln == "fold", ln == "residual"
+    if ln not in ("", "fold", "residual") or (ln and (fp8 or act != "none")) or (resid and (geglu or rope_cols)):
+        raise ValueError("ln is '', 'fold' (16-bit operands, no activation) or 'residual' (no activation, RoPE or "
+                         "GeGLU), got %r" % (ln,))
+    if fold and cfg.smem_bytes(wt, ab) + 16 * cfg.bm > SMEM_LIMIT - 1024:
+        raise ValueError("%s leaves no room for the fold's row statistics" % cfg.tag())
     (tilelang, T), enter = _tl.tl(), _tl.pdl_enter(wait=cfg.cluster > 1)   # clusters wait in every build
     bm, bn, bk, S = cfg.bm, cfg.bn, cfg.bk, cfg.stages
     hm = bm // 2                          # rows per consumer warpgroup
@@ -88,6 +104,7 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
     stagger = min(cfg.stagger, -(-K // bk))   # a first tile of fewer k-steps releases the other consumer at its end
     if joint:
         acc_regs *= 2                     # one accumulator of 2 * bn columns
+    epi_bias = bias and not ln            # the fold and the residual add the bias before the epilogue
 
     @T.macro
     def release(empty, s):
@@ -134,7 +151,7 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
                     for i, j in T.Parallel(hm, EPI_COLS):
                         C_l[i, c * EPI_COLS + j] = apply_act(C_l[i, c * EPI_COLS + j], "gelu", T) * \
                             Cx_l[i, c * EPI_COLS + j]
-                elif bias:
+                elif epi_bias:
                     for i, j in T.Parallel(hm, EPI_COLS):
                         C_l[i, c * EPI_COLS + j] = apply_act(
                             C_l[i, c * EPI_COLS + j] + Bias[bx * bn + c * EPI_COLS + j], act, T)
@@ -176,7 +193,7 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
             if geglu:
                 for i, j in T.Parallel(hm, bn):
                     C_l[i, j] = apply_act(C_l[i, j], "gelu", T) * Cx_l[i, j]
-            elif bias:
+            elif epi_bias:
                 for i, j in T.Parallel(hm, bn):
                     C_l[i, j] = apply_act(C_l[i, j] + Bias[bx * bn + j], act, T)
             elif act != "none":
@@ -201,9 +218,12 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
             else:
                 T.tma_copy(Cg_s, C[r0:r0 + hm, bx * bn:(bx + 1) * bn])
 
+
+    row_sums, apply_ln = _lnf.macros(T, ln, N, K, M, bm, bn, bk, geglu, bias, eps, EPI_BARRIER) if ln else (None,) * 2
+
     @T.macro
     def consume(C, Bias, Ag_s, W_s, Wg_s, C_l, Cx_l, Cg_s, Cs_l, Sn_l, Xr_l, full, empty, go, Pos, Cos, Sin, SA, SB,
-                by, bx, it, grp, lane):
+                Cs, X, St_s, st, by, bx, it, grp, lane, wid):
         if rope_cols:
             if bx * bn < rope_cols:
                 # this tile's cosines and sines (one pair per row and frequency, shared by its heads), loaded before
@@ -216,6 +236,9 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
             if grp == 1:
                 if it == 0:   # the first consumer is `stagger` k-steps into this block's first tile
                     T.mbarrier_wait_parity(go[0], 0)
+        if fold:
+            st[0][0] = T.float32(0)
+            st[0][1] = T.float32(0)
         for k in T.serial(k_iters):
             g = it * k_iters + k
             s = g % S
@@ -226,6 +249,8 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
                 T.wgmma_gemm(Ag_s[s, :, :], Wg_s[s, :, :], Cx_l, transpose_B=True, clear_accum=(k == 0))
             else:
                 T.wgmma_gemm(Ag_s[s, :, :], W_s[s, :, :], C_l, transpose_B=True, clear_accum=(k == 0))
+            if fold:   # under the wgmma batch, which reads the same stage
+                row_sums(Ag_s, st[0], s, k, wid, st[1])
             if inflight:
                 if k > 0:
                     # the batch of step k-1 is done (this step's stays in flight): its stage can be refilled
@@ -266,25 +291,27 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
                 for i, j in T.Parallel(hm, bn):
                     Cx_l[i, j] = T.Cast(F32, T.Cast(DT, Cx_l[i, j] * SA[T.min(by * bm + grp * hm + i, M - 1)] *
                                                     SB[N + T.min(bx * bn + j, N - 1)]))
+        if ln:
+            apply_ln(Bias, C_l, Cx_l, Cs, X, St_s, st[0], by, bx, grp, wid)
         epilogue(C, Bias, C_l, Cx_l, Cg_s, Cs_l, Sn_l, Xr_l, by, bx, grp)
 
     @T.macro
     def consumer(C, Bias, Ag_s, W_s, Wg_s, C_l, Cx_l, Cg_s, Cs_l, Sn_l, Xr_l, full, empty, go, Pos, Cos, Sin, SA, SB,
-                 ids, grp, lane):
+                 Cs, X, St_s, st, ids, grp, lane, wid):
         T.set_max_nreg(CONSUMER_REGS, 1)
         if P:
             for w in T.serial(n_waves):
                 t = w * (P // CL) + ids // CL
                 if t < n_tiles:
                     consume(C, Bias, Ag_s, W_s, Wg_s, C_l, Cx_l, Cg_s, Cs_l, Sn_l, Xr_l, full, empty, go, Pos, Cos,
-                            Sin, SA, SB, t // nbn * CL + ids % CL, t % nbn, w, grp, lane)
+                            Sin, SA, SB, Cs, X, St_s, st, t // nbn * CL + ids % CL, t % nbn, w, grp, lane, wid)
         else:
             consume(C, Bias, Ag_s, W_s, Wg_s, C_l, Cx_l, Cg_s, Cs_l, Sn_l, Xr_l, full, empty, go, Pos, Cos, Sin,
-                    SA, SB, ids[1], ids[0], 0, grp, lane)
+                    SA, SB, Cs, X, St_s, st, ids[1], ids[0], 0, grp, lane, wid)
         T.tma_store_wait(0)   # the staging tile (shared memory) must outlive the last store's reads
 
     @T.macro
-    def body(A, W, Bias, C, Pos, Cos, Sin, SA, SB):
+    def body(A, W, Bias, C, Pos, Cos, Sin, SA, SB, Cs, X):
         grid = (P,) if P else (nbn, T.ceildiv(M, bm))
         # (cluster_dims=1: no cluster, an ordinary launch)
         with T.ClusterKernel(*grid, cluster_dims=CL, threads=PRODUCER_THREADS + 256) as ids:
@@ -313,6 +340,9 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
             empty = T.alloc_cluster_barrier([CONSUMER_WARPS * 2] * S) if CL > 1 else \
                 T.alloc_barrier([CONSUMER_WARPS] * S)
             go = T.alloc_barrier([CONSUMER_WARPS // 2]) if stagger else None   # the first consumer's 4 warps
+            St_s = T.alloc_shared((2, hm, 2), F32) if fold else None   # each row's mean and rstd
+            # each consumer's (sums and shift, a 16-byte load of A)
+            st = [(T.alloc_local((3,), F32), T.alloc_local((8,), AB)) for _ in range(2)] if fold else [(None, None)] * 2
             ring = (A0_s, A1_s, W_s) + ((Wg_s,) if Wg_s is not None else ())
             layouts = {b: tilelang.layout.make_swizzled_layout(b) for b in ring}
             if epi != "alias":
@@ -332,10 +362,10 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
                     produce(A, W, A0_s, A1_s, W_s, Wg_s, full, empty, ids[1], ids[0], 0)
             elif tx < PRODUCER_THREADS + 128:
                 consumer(C, Bias, A0_s, W_s, Wg_s, C0_l, C0x_l, C0_s, cs[0], cs[1], xr[0], full, empty, go, Pos, Cos,
-                         Sin, SA, SB, ids, 0, lane)
+                         Sin, SA, SB, Cs, X, St_s, st[0], ids, 0, lane, tx % 128)
             else:
                 consumer(C, Bias, A1_s, W_s, Wg_s, C1_l, C1x_l, C1_s, cs[2], cs[3], xr[1], full, empty, go, Pos, Cos,
-                         Sin, SA, SB, ids, 1, lane)
+                         Sin, SA, SB, Cs, X, St_s, st[1], ids, 1, lane, tx % 128)
             if CL > 1:
                 # neither block exits while the other may still arrive on its barriers
                 T.cluster_sync()
@@ -345,7 +375,7 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
             @T.prim_func
             def main_geglu8(A: T.Tensor((M, K), AB), Wi: T.Tensor((NW, K), AB), C: T.Tensor((M, N), DT),
                             SA: T.Tensor((M,), F32), SB: T.Tensor((NW,), F32)):
-                body(A, Wi, None, C, None, None, None, SA, SB)
+                body(A, Wi, None, C, None, None, None, SA, SB, None, None)
             return main_geglu8
 
         if rope_cols:
@@ -353,19 +383,48 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
             def main_rope8(A: T.Tensor((M, K), AB), W: T.Tensor((N, K), AB), Bias: T.Tensor((N,), F32),
                            C: T.Tensor((M, N), DT), Pos: T.Tensor((M,), I32), Cos: T.Tensor((Pn, 32), F32),
                            Sin: T.Tensor((Pn, 32), F32), SA: T.Tensor((M,), F32), SB: T.Tensor((N,), F32)):
-                body(A, W, Bias, C, Pos, Cos, Sin, SA, SB)
+                body(A, W, Bias, C, Pos, Cos, Sin, SA, SB, None, None)
             return main_rope8
 
         @T.prim_func
         def main8(A: T.Tensor((M, K), AB), W: T.Tensor((N, K), AB), Bias: T.Tensor((N,), F32),
                   C: T.Tensor((M, N), DT), SA: T.Tensor((M,), F32), SB: T.Tensor((N,), F32)):
-            body(A, W, Bias, C, None, None, None, SA, SB)
+            body(A, W, Bias, C, None, None, None, SA, SB, None, None)
         return main8
+
+    if fold:
+        if geglu:
+            @T.prim_func
+            def main_geglu_fold(A: T.Tensor((M, K), DT), Wi: T.Tensor((NW, K), DT), Cs: T.Tensor((NW,), F32),
+                                C: T.Tensor((M, N), DT)):
+                body(A, Wi, None, C, None, None, None, None, None, Cs, None)
+            return main_geglu_fold
+
+        if rope_cols:
+            @T.prim_func
+            def main_rope_fold(A: T.Tensor((M, K), DT), W: T.Tensor((N, K), DT), Bias: T.Tensor((N,), F32),
+                               Cs: T.Tensor((N,), F32), C: T.Tensor((M, N), DT), Pos: T.Tensor((M,), I32),
+                               Cos: T.Tensor((Pn, 32), F32), Sin: T.Tensor((Pn, 32), F32)):
+                body(A, W, Bias, C, Pos, Cos, Sin, None, None, Cs, None)
+            return main_rope_fold
+
+        @T.prim_func
+        def main_fold(A: T.Tensor((M, K), DT), W: T.Tensor((N, K), DT), Bias: T.Tensor((N,), F32),
+                      Cs: T.Tensor((N,), F32), C: T.Tensor((M, N), DT)):
+            body(A, W, Bias, C, None, None, None, None, None, Cs, None)
+        return main_fold
+
+    if resid:
+        @T.prim_func
+        def main_res(A: T.Tensor((M, K), DT), W: T.Tensor((N, K), DT), Bias: T.Tensor((N,), F32),
+                     X: T.Tensor((M, N), F32), C: T.Tensor((M, N), DT)):
+            body(A, W, Bias, C, None, None, None, None, None, None, X)
+        return main_res
 
     if geglu:
         @T.prim_func
         def main_geglu(A: T.Tensor((M, K), DT), Wi: T.Tensor((NW, K), DT), C: T.Tensor((M, N), DT)):
-            body(A, Wi, None, C, None, None, None, None, None)
+            body(A, Wi, None, C, None, None, None, None, None, None, None)
         return main_geglu
 
     if rope_cols:
@@ -373,13 +432,13 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
         def main_rope(A: T.Tensor((M, K), DT), W: T.Tensor((N, K), DT), Bias: T.Tensor((N,), F32),
                       C: T.Tensor((M, N), DT), Pos: T.Tensor((M,), I32),
                       Cos: T.Tensor((Pn, 32), F32), Sin: T.Tensor((Pn, 32), F32)):
-            body(A, W, Bias, C, Pos, Cos, Sin, None, None)
+            body(A, W, Bias, C, Pos, Cos, Sin, None, None, None, None)
         return main_rope
 
     @T.prim_func
     def main(A: T.Tensor((M, K), DT), W: T.Tensor((N, K), DT), Bias: T.Tensor((N,), F32),
              C: T.Tensor((M, N), DT)):
-        body(A, W, Bias, C, None, None, None, None, None)
+        body(A, W, Bias, C, None, None, None, None, None, None, None)
 
     return main
 
@@ -392,9 +451,9 @@ def pass_configs() -> dict:
 
 def gemm_manual_kernel(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: bool = False, act: str = "none",
                        rope_cols: int = 0, geglu: bool = False, dtype: torch.dtype = torch.bfloat16,
-                       fp8: bool = False):
+                       fp8: bool = False, ln: str = "", eps: float = 1e-5):
     """The compiled hand-warp-specialised GEMM for (N, K, cfg, bias, act, RoPE columns, GeGLU, dtype, e4m3
-    operands), built once per process."""
+    operands, LayerNorm form and its eps), built once per process."""
     d = _tl.dt(dtype)
     extra = {} if d == _tl.BF16 else {"i": d}
     if fp8:
@@ -405,10 +464,14 @@ def gemm_manual_kernel(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias:
         extra["a"] = act
     if rope_cols:
         extra["r"] = rope_cols
+    if ln:   # the fold's eps is in its code; the residual form has none
+        extra.update({"ln": ln[0]}, **({"e": "%g" % eps} if ln == "fold" else {}))
     name = _tl.kernel_name("lf_geglu_ws" if geglu else "lf_gemmws", n=N, k=K, c=cfg.tag(), **extra)
-    return _tl.memo(("gemm_manual", N, K, cfg, bias, act, rope_cols, geglu, d) + (("f8",) if fp8 else ()),
-                    lambda: _tl.compile_func(lambda: build_gemm_manual(N, K, cfg, bias, act, rope_cols, geglu, d, fp8),
-                                             name, pass_configs=pass_configs()))
+    key = ("gemm_manual", N, K, cfg, bias, act, rope_cols, geglu, d) + (("f8",) if fp8 else ()) + \
+        ((ln, float(eps) if ln == "fold" else 0.0) if ln else ())
+    return _tl.memo(key, lambda: _tl.compile_func(
+        lambda: build_gemm_manual(N, K, cfg, bias, act, rope_cols, geglu, d, fp8, ln, eps), name,
+        pass_configs=pass_configs()))
 
 
 

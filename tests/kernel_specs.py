@@ -68,4 +68,12 @@ def manual_test_specs() -> list[tuple[str, tuple]]:
             ("gemm_ws", (3072, 1024, _gm.GEMM8, False, "none", 2048, False, BF, True)),
             ("gemm_ws", (2624, 1024, _gm.GEMM8, False, "none", 0, False, BF, True)),
             ("gemm_ws", (1024, 2624, one, True, "none", 0, False, BF, True))]
+    # the add+LayerNorm fold and the residual epilogue (tests/test_ln_fold.py)
+    c1 = replace(_gm.GEMM, cluster=1)
+    for dt in (BF, torch.float16):
+        out += [("gemm_ws", (3072, 1024, _gm.GEMM, False, "none", 2048, False, dt, False, "fold", 1e-5)),
+                ("gemm_ws", (1024, 1000, c1, True, "none", 0, False, dt, False, "fold", 1e-5)),
+                ("gemm_ws", (2624, 1024, _gm.GEGLU, False, "none", 0, True, dt, False, "fold", 1e-5))]
+    out += [("gemm_ws", (N, K, c1, b, "none", 0, False, BF, False, "residual"))
+            for N, K, b in ((1024, 1024, True), (1024, 2624, False), (1000, 1024, True))]
     return out
