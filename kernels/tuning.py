@@ -24,6 +24,7 @@ from . import gemm_manual as _gm
 from . import layernorm as _ln
 
 PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tuning.json")
+_SCALARS = ("small_m", "attn_hp", "attn_hp_m", "ln_fold_m")
 _CLASSES = {"gemm": _gemm.GemmConfig, "geglu": _geglu.GegluConfig, "add_ln": _ln.LNConfig,
             "gemm_ws": _gm.GemmWSConfig, "gemm_small": _gemm.GemmConfig, "geglu_small": _geglu.GegluConfig}
 
@@ -35,7 +36,9 @@ class Tuning:
     "D" -> config; gemm_ws: "gemm" / "geglu" (every product of that form) or "gemm:NxK" / "geglu:FxK" (one
     product); gemm_small / geglu_small: "NxK" / "FxK" -> config for up to small_m rows (else gemm.SMALL /
     geglu.SMALL); attn_hp / attn_hp_m: token buckets of at least attn_hp_m tokens (more than small_m) run the
-    overlapped attention with attn_hp heads a block (1: one head a block everywhere)."""
+    overlapped attention with attn_hp heads a block (1: one head a block everywhere); ln_fold_m: token buckets of
+    at least this many tokens (more than small_m; 0: none) fold the encoder's add+LayerNorm into its GEMMs
+    (kernels/ln_fold.py)."""
 
     gemm: Mapping[str, Any] = field(default_factory=dict)
     geglu: Mapping[str, Any] = field(default_factory=dict)
@@ -46,16 +49,18 @@ class Tuning:
     small_m: int = _gemm.SMALL_M
     attn_hp: int = 1
     attn_hp_m: int = 0
+    ln_fold_m: int = 0
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Tuning:
         """A table from its JSON form ({op: {key: config fields}}, "small_m": rows, "attn_hp": heads a block,
-        "attn_hp_m": rows); ValueError for an unknown op, a small_m that is not a positive multiple of 64 (the token
-        buckets' step), or an attn_hp below 1 or, above 1, starting at a bucket the small tiles run."""
-        unknown = set(data) - set(_CLASSES) - {"small_m", "attn_hp", "attn_hp_m"}
+        "attn_hp_m", "ln_fold_m": rows); ValueError for an unknown op, a small_m that is not a positive multiple of 64
+        (the token buckets' step), an attn_hp below 1 or, above 1, or an ln_fold_m above 0, starting at a bucket the
+        small tiles run."""
+        unknown = set(data) - set(_CLASSES) - set(_SCALARS)
         if unknown:
-            raise ValueError("unknown ops in a tuning table: %s (use %s, small_m, attn_hp or attn_hp_m)"
-                             % (sorted(unknown), sorted(_CLASSES)))
+            raise ValueError("unknown ops in a tuning table: %s (use %s, %s)"
+                             % (sorted(unknown), sorted(_CLASSES), ", ".join(_SCALARS)))
         small_m = data.get("small_m", _gemm.SMALL_M)
         if isinstance(small_m, bool) or not isinstance(small_m, int) or small_m < 64 or small_m % 64:
             raise ValueError("small_m in a tuning table must be a positive multiple of 64, got %r" % (small_m,))
@@ -64,7 +69,11 @@ class Tuning:
                 (hp > 1 and hp_m <= small_m):
             raise ValueError("attn_hp in a tuning table is a count of heads (>= 1) and attn_hp_m, where it starts, "
                              "a bucket of more than small_m tokens; got %r and %r" % (hp, hp_m))
-        return cls(small_m=small_m, attn_hp=hp, attn_hp_m=hp_m,
+        fold_m = data.get("ln_fold_m", 0)
+        if isinstance(fold_m, bool) or not isinstance(fold_m, int) or (fold_m and fold_m <= small_m) or fold_m < 0:
+            raise ValueError("ln_fold_m in a tuning table is 0 (no fold) or a bucket of more than small_m tokens, "
+                             "got %r" % (fold_m,))
+        return cls(small_m=small_m, attn_hp=hp, attn_hp_m=hp_m, ln_fold_m=fold_m,
                    **{op: {k: _CLASSES[op](**v) for k, v in data.get(op, {}).items()} for op in _CLASSES})
 
     @classmethod
@@ -77,7 +86,7 @@ class Tuning:
 
     def as_dict(self) -> dict[str, Any]:
         """The JSON form `from_dict` reads."""
-        return {"small_m": self.small_m, "attn_hp": self.attn_hp, "attn_hp_m": self.attn_hp_m,
+        return {**{k: getattr(self, k) for k in _SCALARS},
                 **{op: {k: asdict(v) for k, v in sorted(getattr(self, op).items())} for op in _CLASSES}}
 
     def with_entry(self, op: str, key: str, cfg: Any) -> Tuning:

@@ -1,21 +1,27 @@
-"""The add+LayerNorm fold (kernels/ln_fold.py): its algebra on CPU, the folded kernels' compiled structure
-(tilelang, no GPU) and, on the GPU, each folded kernel against its reference at awkward sizes."""
+"""The add+LayerNorm fold (kernels/ln_fold.py): its algebra on CPU, the tuning switch and the kernel list, the
+folded forward on the torch ops against the unfolded one, the folded kernels' compiled structure (tilelang, no GPU)
+and, on the GPU, each folded kernel against its reference at awkward sizes and the folded forward's numerics."""
 
 import importlib.util
 import re
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import gemm, ln_fold, rope
+from kernels import gemm, ln_fold, rope, tuning
 from kernels import gemm_manual as gm
+from model.backends.fast import make_backend
+from model.backends.fast import specs as forward
+from model.bundle import load_model
 from tests.test_kernels import _close, _node_local_kernel_cache, _poison, use_sm90  # noqa: F401
 
 HAS_TILELANG = importlib.util.find_spec("tilelang") is not None
 needs_tilelang = pytest.mark.skipif(not HAS_TILELANG, reason="needs tilelang")
 EPS = 1e-5
+FOLD = tuning.Tuning(ln_fold_m=512)   # default small_m (256): buckets from 512 tokens up fold
 
 
 def _stream(M, K, offset=40.0, seed=0, device="cpu"):
@@ -45,6 +51,30 @@ def test_the_fold_is_layernorm_then_the_gemm():
     assert p.dtype == torch.bfloat16 and torch.equal(p, xn.bfloat16()) and torch.equal(xs, keep)
 
 
+def test_the_tuning_switch_and_the_kernel_list(tmp_path):
+    """ln_fold_m: 0 (the committed table) folds nothing; above small_m, the kernel list of a model whose weights
+    are folded gains the four folded forms where its buckets reach ln_fold_m; a bad value is refused, naming it."""
+    assert tuning.TABLE.ln_fold_m == 0 and FOLD.as_dict()["ln_fold_m"] == 512
+    path = tmp_path / "t.json"
+    path.write_text(__import__("json").dumps(FOLD.as_dict()))
+    assert tuning.Tuning.from_json(str(path)) == FOLD
+    for bad in (256, 100, -1, True, "512", 1.5):
+        with pytest.raises(ValueError, match="ln_fold_m"):
+            tuning.Tuning.from_dict({"ln_fold_m": bad})
+    dims = dict(d=1024, heads=16, inter=2624, ffn=4096, windows={0, 64}, arch="sm_90a", sms=132, table=FOLD)
+    plain = forward.kernel_specs(**dims)
+    folded = forward.kernel_specs(**dims, ln_fold=True)
+    extra = [a for op, a in folded if (op, a) not in plain]
+    assert sorted((a[0], a[1], a[6], a[9]) for a in extra) == [
+        (1024, 1024, False, "residual"), (1024, 2624, False, "residual"), (2624, 1024, True, "fold"),
+        (3072, 1024, False, "fold")]
+    assert [a[5] for a in extra if a[0] == 3072] == [2048] and {a[10] for a in extra if a[9] == "fold"} == {EPS}
+    assert forward.kernel_specs(**dims, ln_fold=True, max_tokens=256) == forward.kernel_specs(**dims, max_tokens=256)
+    assert forward.kernel_specs(**dims, ln_fold=True, max_tokens=512) == folded
+    assert not [a for op, a in forward.kernel_specs(**{**dims, "arch": "sm_80"}, ln_fold=True)
+                if op == "gemm_ws"]
+
+
 def test_a_bad_ln_form_is_refused():
     """An unknown form, the fold with an activation, e4m3 operands or the residual form with RoPE: a ValueError
     naming `ln` (before any TileLang is imported)."""
@@ -52,6 +82,55 @@ def test_a_bad_ln_form_is_refused():
                {"ln": "residual", "rope_cols": 2048}):
         with pytest.raises(ValueError, match="ln is"):
             gm.build_gemm_manual(3072, 1024, gm.GEMM, **kw)
+
+
+@pytest.fixture(scope="module")
+def torch_forwards(bundle, rows):
+    """{folded: (backend, logits, P(action 0), residual epilogues run)} on the torch ops, fp32, 4096-token buckets."""
+    out = {}
+    for fold in (False, True):
+        be = make_backend(load_model(bundle), bundle, torch.device("cpu"), ops="torch", max_batch_tokens=4096,
+                          tuning=FOLD if fold else tuning.Tuning())
+        ran, residual = [], be.engine._residual
+        be.engine._residual = lambda *a, ran=ran, f=residual: (ran.append(a[0].shape[0]), f(*a))
+        out[fold] = (be,) + be.forward(rows) + (ran,)
+    return out
+
+
+def test_a_folded_forward_gives_the_unfolded_answers(torch_forwards, rows):
+    """The same rows through the folded forward (buckets of 512+ tokens folded, smaller ones with unit-scale norms
+    and W * gamma) and the unfolded one: the same answers to fp32 rounding."""
+    be, l_fold, p_fold, ran = torch_forwards[True]
+    _, l_ref, p_ref, none = torch_forwards[False]
+    ff = be.engine
+    assert ff.fold and not torch_forwards[False][0].engine.fold
+    assert ff._fold_rows(512) and not ff._fold_rows(448)
+    assert all(torch.equal(ly.mlp_norm[0], torch.ones(ff.d)) and ly.cs_i is not None for ly in ff.layers)
+    assert ff.layers[0].cs_qkv is None and all(ly.cs_qkv is not None for ly in ff.layers[1:])
+    assert ran and min(ran) >= 512 and not none   # folded chunks ran the residual epilogues
+    np.testing.assert_allclose(l_fold, l_ref, atol=2e-4, rtol=1e-4)
+    np.testing.assert_allclose(p_fold, p_ref, atol=1e-5)
+
+
+def test_a_small_bucket_with_folded_weights_gives_the_unfolded_answers(torch_forwards, rows):
+    """Rows in buckets below ln_fold_m run the unfused ops on the folded weights (unit-scale norms, W * gamma)."""
+    be, ran = torch_forwards[True][0], torch_forwards[True][3]
+    few = [min(rows, key=lambda r: len(r.ids))]
+    assert len(few[0].ids) < 448
+    n = len(ran)
+    lf, pf = be.forward(few)
+    assert len(ran) == n   # nothing folded
+    lr, pr = torch_forwards[False][0].forward(few)
+    np.testing.assert_allclose(lf, lr, atol=2e-4, rtol=1e-4)
+    np.testing.assert_allclose(pf, pr, atol=1e-5)
+
+
+def test_a_norm_with_a_shift_keeps_the_unfolded_weights(bundle):
+    """The fold needs bias-free norms (ModernBERT's): one norm with a shift leaves every weight as it is."""
+    m = load_model(bundle)
+    m.encoder.layers[1].mlp_norm.bias = torch.nn.Parameter(torch.zeros(m.encoder.config.hidden_size))
+    be = make_backend(m, bundle, torch.device("cpu"), ops="torch", max_batch_tokens=1024, tuning=FOLD)
+    assert not be.engine.fold and be.engine.layers[1].cs_i is None
 
 
 # -- compile only (tilelang, no GPU) -----------------------------------------------------------
@@ -134,3 +213,24 @@ def test_residual_gemm_adds_to_the_stream(M, N, K, bias):
     torch.testing.assert_close(x[:M], xr, atol=2e-3, rtol=1e-4)
     assert torch.equal(x[M], xs[M]) and torch.equal(out, x[:M].bfloat16())
     _close(out, pr, 1e-2)
+
+
+@gpu
+@needs_tilelang
+def test_the_folded_fast_forward_stays_as_near_fp32(bundle, rows, rows_scored):
+    """The GPU forward with the fold from 1024 tokens up against the eager fp32 answers, as near as the unfolded
+    forward (fp16: within 0.02 of P), and no graph captured after warm-up."""
+    from tests.test_fast import _softmax
+
+    fold = replace(tuning.TABLE, ln_fold_m=tuning.TABLE.small_m + 128)
+    assert sum(len(r.ids) for r in rows) > fold.ln_fold_m
+    l_ref, _ = rows_scored
+    errs = {}
+    for t in (tuning.TABLE, fold):
+        be = make_backend(load_model(bundle), bundle, torch.device(DEV), act_dtype=torch.float16,
+                          max_batch_tokens=4096, tuning=t)
+        be.warmup()
+        lg, _ = be.forward(rows)
+        assert be.engine.stats.captures_after_warmup == 0
+        errs[t.ln_fold_m] = float(np.abs(_softmax(lg) - _softmax(l_ref)).max())
+    assert errs[fold.ln_fold_m] <= max(0.02, 1.5 * errs[0]), errs

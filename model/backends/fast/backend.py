@@ -143,7 +143,7 @@ class FastForward(ForwardOps, GraphRunner, Packing, DeviceWeights):
                              {hl.norm1[2] for hl in self.head_layers} | {hl.norm2[2] for hl in self.head_layers}
                              | {self.scorer_norm[2]}, ly.bqkv is not None, ly.bo is not None,
                              self.emb_norm[1] is not None, self.attn_cfg, self.act_dtype, table=self.tuning,
-                             arch=self.arch, sms=self.sms, pdl=self.pdl, max_tokens=self.T_max)
+                             arch=self.arch, sms=self.sms, pdl=self.pdl, max_tokens=self.T_max, ln_fold=self.fold)
         if self.fp8:
             specs += with_pdl(self._fp8_specs(), self.pdl)
         return [sp for sp in specs if self.ops[spec_op(sp)] == "tilelang"]

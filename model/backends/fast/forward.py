@@ -22,6 +22,7 @@ from kernels import geglu as _geglu
 from kernels import gemm as _gemm
 from kernels import gemm_manual as _gm
 from kernels import layernorm as _ln
+from kernels import ln_fold as _lnf
 from kernels import rope as _rope
 from kernels.tuning import pick_add_ln, pick_attention, pick_geglu, pick_gemm, pick_gemm_ws, pick_gemm_ws8
 from model.network import confidence_features
@@ -140,6 +141,59 @@ class ForwardOps(Profiling):
         self._done(tok)
         return y
 
+    def _fold_rows(self, M: int) -> bool:
+        """Whether a bucket of M tokens runs the encoder with its add+LayerNorm folded into the GEMMs (the tuning
+        table's ln_fold_m; the forms are the hand-warp-specialised kernels', or the torch references)."""
+        if not self.fold or M < self.tuning.ln_fold_m or self.ops["gemm"] != self.ops["geglu"]:
+            return False
+        d, dt = self.d, self.act_dtype
+        return self.ops["gemm"] == "torch" or all(
+            self._ws_cfg(M, N, dt, dt, g, K) is not None
+            for N, K, g in ((3 * d, d, False), (d, d, False), (self.inter, d, True), (d, self.inter, False)))
+
+    def _qkv_fold(self, p, ly, pos, table, out):
+        """Wqkv over the rounded stream `p` with the attention norm folded in (kernels/ln_fold.py), then RoPE."""
+        M, (N, K) = out.shape[0], ly.wqkv.shape
+        tok = self._mark("gemm %dx%d+ln" % (N, K))
+        fused = self._fused_rope(M)
+        if self.ops["gemm"] == "tilelang":
+            b = ly.bqkv if ly.bqkv is not None else self._zero_bias[:N]
+            kern = _gm.gemm_manual_kernel(N, K, self._ws_cfg(M, N, p.dtype, out.dtype, K=K), ly.bqkv is not None,
+                                          "none", 2 * self.d if fused else 0, False, p.dtype, ln="fold", eps=self.eps)
+            kern(p, ly.wqkv, b, ly.cs_qkv, out, *((pos, table[0], table[1]) if fused else ()))
+        else:
+            fused = False
+            out.copy_(_lnf.fold_ref(p, ly.wqkv, ly.cs_qkv, ly.bqkv, self.eps))
+        self._done(tok)
+        if not fused:
+            self._rope(out, pos, table)
+
+    def _geglu_fold(self, p, ly, out):
+        tok = self._mark("geglu %dx%d+ln" % (ly.wi.shape[0] // 2, ly.wi.shape[1]))
+        if self.ops["geglu"] == "tilelang":
+            Fd, K = ly.wi.shape[0] // 2, ly.wi.shape[1]
+            ws = self._ws_cfg(p.shape[0], Fd, p.dtype, out.dtype, geglu=True, K=K)
+            _gm.gemm_manual_kernel(Fd, K, ws, False, "none", 0, True, p.dtype, ln="fold", eps=self.eps)(
+                p, ly.wi, ly.cs_i, out)
+        else:
+            out.copy_(_lnf.geglu_fold_ref(p, ly.wi, ly.cs_i, self.eps))
+        self._done(tok)
+        return out
+
+    def _residual(self, a, w, bias, x, p):
+        """The stream x += a @ w^T + bias in the GEMM's epilogue, and p = x rounded (the next fold's input)."""
+        tok = self._mark("gemm %dx%d+add" % (w.shape[0], w.shape[1]))
+        if self.ops["gemm"] == "tilelang":
+            N, K = w.shape
+            b = bias if bias is not None else self._zero_bias[:N]
+            _gm.gemm_manual_kernel(N, K, self._ws_cfg(a.shape[0], N, a.dtype, p.dtype, K=K), bias is not None,
+                                   "none", 0, False, a.dtype, ln="residual")(a, w, b, x, p)
+        else:
+            xn, pn = _lnf.residual_ref(a, w, bias, x)
+            x.copy_(xn)
+            p.copy_(pn)
+        self._done(tok)
+
     def _rope(self, qkv, pos, table):
         tok = self._mark("rope")
         cos, sin = table
@@ -177,9 +231,20 @@ class ForwardOps(Profiling):
         q8 = self.fp8   # under FP8 the norms that feed the encoder's GEMMs hand them e4m3 rows and their scales
         Yq = self._add_ln(X, None, self.emb_norm, self.eps, Y, "inplace", q8)
         n = len(self.layers)
+        fold = self._fold_rows(Tb)
         for i, ly in enumerate(self.layers):
-            self._qkv(Yq, ly, v["pos"], self.rope_tables[ly.rope], QKV)
+            if fold and ly.cs_qkv is not None:   # Y holds the stream rounded (the last _residual's)
+                self._qkv_fold(Y, ly, v["pos"], self.rope_tables[ly.rope], QKV)
+            else:
+                self._qkv(Yq, ly, v["pos"], self.rope_tables[ly.rope], QKV)
             self._attention(QKV, v, self.heads, ly.window, Ob)
+            if fold:
+                G = self.G[:Tb * self.inter].view(Tb, self.inter)
+                self._residual(Ob, ly.wo, ly.bo, X, Y)
+                self._residual(self._geglu_fold(Y, ly, G), ly.wo2, ly.bo2, X, Y)
+                if i + 1 == n:
+                    self._add_ln(X, None, self.final_norm, self.eps, Y, "inplace")
+                continue
             self._gemm(Ob, ly.wo, ly.bo, R)
             Yq = self._add_ln(X, R, ly.mlp_norm, self.eps, Y, "add", q8)
             G = self.G[:Tb * self.inter].view(Tb, self.inter)

@@ -90,8 +90,9 @@ class GraphRunner:
                 self.stats.captures_after_warmup += 1
                 log.warning("fast backend: capturing a graph for %d tokens after warm-up", Tb)
             # a kernel's first call (module load, launch attributes) stays outside a capture: one real run per
-            # tile regime (the GEMM tiles change past the tuning table's small_m tokens), not one per bucket
-            regime = (Tb <= self.tuning.small_m, gb <= self.tuning.small_m)
+            # tile regime (the GEMM tiles change past the tuning table's small_m tokens, the add+LayerNorm form at
+            # its ln_fold_m), not one per bucket
+            regime = (Tb <= self.tuning.small_m, gb <= self.tuning.small_m, self._fold_rows(Tb))
             if regime not in self._ran:
                 self._side_run(self._body, Tb, gb)
                 self._ran.add(regime)
@@ -127,7 +128,8 @@ class GraphRunner:
             if not self.use_graphs:
                 # one real forward per kernel configuration: loads every module before traffic
                 small = [b for b in self.buckets if b <= self.tuning.small_m]
-                for Tb in sorted(set(small[-1:]) | {self.buckets[-1]}):
+                unfolded = [b for b in self.buckets if not self._fold_rows(b)]
+                for Tb in sorted(set(small[-1:]) | set(unfolded[-1:]) | {self.buckets[-1]}):
                     self._warm_rows(Tb)
             else:  # each capture is preceded by a real run of the same bucket (see _encoder)
                 # the GPU lock per bucket (its work waited for), so other processes' forwards go on in between

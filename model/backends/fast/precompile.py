@@ -37,8 +37,8 @@ def shape_dims(shape: str) -> dict:
 
 def model_specs(shape: str, dtype: torch.dtype = torch.bfloat16, pdl: str = "off") -> list[tuple[str, tuple]]:
     """The kernels a make-checkpoint shape's fast forward uses (bf16, or fp16 with act_dtype=torch.float16) in PDL
-    mode `pdl`."""
-    return kernel_specs(**shape_dims(shape), dtype=dtype, pdl=pdl)
+    mode `pdl` (its norms are bias-free: the folded add+LayerNorm forms where the tuning table switches them on)."""
+    return kernel_specs(**shape_dims(shape), dtype=dtype, pdl=pdl, ln_fold=True)
 
 
 def _checkout_specs(module: str, fn: str) -> list[tuple[str, tuple]]:

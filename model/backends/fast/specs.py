@@ -54,12 +54,15 @@ def kernel_specs(d: int, heads: int, inter: int, ffn: int, windows, eps: float =
                  qkv_bias: bool = False, out_bias: bool = False, norm_bias: bool = False,
                  attn_cfg: _attn.AttnConfig = _attn.DEFAULT,
                  dtype: torch.dtype = torch.bfloat16, *, table: Tuning = TABLE, arch: str | None = None,
-                 sms: int | None = None, pdl: str = "off", max_tokens: int | None = None) -> list[tuple[str, tuple]]:
+                 sms: int | None = None, pdl: str = "off", max_tokens: int | None = None,
+                 ln_fold: bool = False) -> list[tuple[str, tuple]]:
     """Every (op, builder args) the forward of a model of this shape launches (both tile regimes); `dtype` is
     the activations' and GEMM weights' (bf16, or fp16: those specs carry it as a last argument). Tiles come from
     `table` for `arch` (default: the TileLang target) with `sms` multiprocessors (default: this GPU's). `pdl` (a
     PDL_MODES mode) adds the programmatic-dependent-launch builds, kinds suffixed PDL (`with_pdl`). `max_tokens`:
-    the forward's largest token bucket (None: any), so kernels of larger buckets only are left out."""
+    the forward's largest token bucket (None: any), so kernels of larger buckets only are left out. `ln_fold`: the
+    model's weights carry its norms' scales (weights.py), so buckets from the table's ln_fold_m up run the folded
+    add+LayerNorm forms (kernels/ln_fold.py)."""
     arch = arch or _tl.target()["arch"]
     sms = sms or sm_count()
     pdl = pdl if _tl.pdl_arch(arch) else "off"
@@ -87,6 +90,12 @@ def kernel_specs(d: int, heads: int, inter: int, ffn: int, windows, eps: float =
             # Hopper, many rows: the hand-warp-specialised kernels (kernels/gemm_manual.py); RoPE always fused
             specs += [("gemm_ws", (N, K, ws_cfg(big, N, K=K), b, a, r, False, adt)) for N, K, b, a, r in prods]
             specs.append(("gemm_ws", (inter, d, ws_cfg(big, inter, True, d), False, "none", 0, True, adt)))
+            if ln_fold and table.ln_fold_m and (max_tokens is None or max_tokens >= table.ln_fold_m):
+                fold = (False, "fold", eps)   # (fp8, ln, eps) as the forward passes them
+                specs += [("gemm_ws", (3 * d, d, ws_cfg(big, 3 * d, K=d), qkv_bias, "none", 2 * d, False, adt, *fold)),
+                          ("gemm_ws", (inter, d, ws_cfg(big, inter, True, d), False, "none", 0, True, adt, *fold))]
+                specs += [("gemm_ws", (d, K, ws_cfg(big, d, K=K), out_bias, "none", 0, False, adt, False, "residual"))
+                          for K in (d, inter)]
             continue
         specs_r = small if rows != big else specs
         specs_r += [("gemm", qkv),

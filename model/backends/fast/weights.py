@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from kernels import attention as _attn
+from kernels import ln_fold as _lnf
 from kernels import rope as _rope
 from model.backends.base import BackendUnavailable
 from model.backends.torch_encoder import rope_tables
@@ -137,7 +138,8 @@ SCORER_PAD = 16   # the scorer's 1-wide output layer runs as a 16-wide GEMM (zer
 
 class _Layer:
     """Weights of one encoder or head layer on the device (GEMM weights in the activation dtype, or an encoder's
-    as fp8.Fp8Weight under the FP8 precision; norms and biases fp32)."""
+    as fp8.Fp8Weight under the FP8 precision; norms and biases fp32; with the add+LayerNorm fold, cs_qkv / cs_i: the
+    row sums of Wqkv / Wi, which then carry the norms' scales)."""
 
     def __init__(self, **kw: Any):
         self.__dict__.update(kw)
@@ -182,6 +184,20 @@ class DeviceWeights:
         def f(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else t.detach().to(dev).float().contiguous()
 
+        # the tuning table's add+LayerNorm fold (kernels/ln_fold.py): the encoder's norms keep a unit scale and the
+        # GEMMs after them take W * gamma, in every bucket; FP8 and norms with a shift keep the plain weights
+        enc_norms = [x.attn_norm for x in enc.layers[1:]] + [x.mlp_norm for x in enc.layers]
+        self.fold = bool(self.tuning.ln_fold_m) and not self.fp8 and \
+            all(getattr(x, "bias", None) is None for x in enc_norms)
+        ones = torch.ones(d, device=dev)
+
+        def n(norm: Any, t: torch.Tensor) -> tuple[Any, Any, Any]:   # (norm, GEMM weight, its row sums) after a norm
+            if norm is None:
+                return None, e(t), None
+            if not self.fold:
+                return (f(norm.weight), f(getattr(norm, "bias", None))), e(t), None
+            return ((ones, None),) + _lnf.prepare(t.detach().to(dev), f(norm.weight), adt)
+
         emb = enc.embeddings
         self.emb = f(emb.tok_embeddings.weight)
         self.emb_norm = (f(emb.norm.weight), f(getattr(emb.norm, "bias", None)))
@@ -194,13 +210,12 @@ class DeviceWeights:
             self.rope_tables[lt] = _rope.rope_tables_from_inv_freq(inv, self.max_positions, scaling, dev)
         self.layers = []
         for i, layer in enumerate(enc.layers):
-            norm = layer.attn_norm if i > 0 else None
+            attn_norm, wqkv, cs_qkv = n(layer.attn_norm if i > 0 else None, layer.attn.Wqkv.weight)
+            mlp_norm, wi, cs_i = n(layer.mlp_norm, layer.mlp.Wi.weight)
             self.layers.append(_Layer(
-                attn_norm=None if norm is None else (f(norm.weight), f(getattr(norm, "bias", None))),
-                wqkv=e(layer.attn.Wqkv.weight), bqkv=f(layer.attn.Wqkv.bias),
+                attn_norm=attn_norm, wqkv=wqkv, cs_qkv=cs_qkv, bqkv=f(layer.attn.Wqkv.bias),
                 wo=e(layer.attn.Wo.weight), bo=f(layer.attn.Wo.bias),
-                mlp_norm=(f(layer.mlp_norm.weight), f(getattr(layer.mlp_norm, "bias", None))),
-                wi=e(layer.mlp.Wi.weight), wo2=e(layer.mlp.Wo.weight), bo2=f(layer.mlp.Wo.bias),
+                mlp_norm=mlp_norm, wi=wi, cs_i=cs_i, wo2=e(layer.mlp.Wo.weight), bo2=f(layer.mlp.Wo.bias),
                 window=int(window) if types[i] == "sliding_attention" else 0, rope=types[i]))
         fn = enc.final_norm
         self.final_norm = (f(fn.weight), f(getattr(fn, "bias", None)))
