@@ -5,9 +5,9 @@ GEMM floor, on one modernbert-large-shaped checkpoint, in one GPU run.
 
 Sections (each timed, each allowed to fail without losing the others; later ones are skipped when
 the time budget runs out): GEMM sweep + floor, the FP8 products (gemm8), fast build/warm-up (bf16, fp16,
-FP8), numerics on 64 cases, latency workloads, offline throughput, upstream. Writes fast_path_<date>.json (and
-a PNG when matplotlib imports) into --out-dir and prints a table last. `--plot JSON` redraws the PNG from a JSON
-file.
+FP8, and bf16 / fp16 with the add+LayerNorm fold from 1024 tokens up), numerics on 64 cases, latency workloads,
+offline throughput, upstream. Writes fast_path_<date>.json (and a PNG when matplotlib imports) into --out-dir and
+prints a table last. `--plot JSON` redraws the PNG from a JSON file.
 
 The sweep's winners never change a product module: the engines this run builds get them as a proposed tuning
 table (`tuning=`), which is printed and, with `--tuning-out FILE`, written in kernels/tuning.json's format, to
@@ -35,7 +35,7 @@ if ROOT not in sys.path:   # run as a script, Python puts bench/ on sys.path, no
 
 from bench.fastpath import attention_sweep, common, gemm8, gemm_sweep, model_sections, references, report, workloads  # noqa: E402
 
-ENGINES = ("fast", "fast16", "fast8", "eager", "fp32")
+ENGINES = workloads.FAST + ("eager", "fp32")
 SECTIONS = ("gemm", "gemm8", "add_ln", "attention", "numerics", "latency", "profile", "offline", "hf", "upstream")
 
 
@@ -55,7 +55,7 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
     ap.add_argument("--skip", nargs="*", default=[],
                     help="sections to skip: gemm gemm8 add_ln attention numerics latency profile offline hf upstream")
     ap.add_argument("--engines", nargs="*", default=list(ENGINES),
-                    help="engines to build: fast (bf16) fast16 fast8 eager fp32 (numerics needs fp32)")
+                    help="engines to build: fast (bf16) fast16 fast8 fold fold16 eager fp32 (numerics needs fp32)")
     ap.add_argument("--plot", default=None, help="only redraw the PNG from this JSON")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run of the script")
     ap.add_argument("--attention-child", default=None, help=argparse.SUPPRESS)

@@ -9,7 +9,7 @@ import numpy as np
 
 from bench.fastpath import common
 from bench.fastpath.common import PEAK_BF16, Budget, log, timed
-from bench.fastpath.workloads import forward_batched, probs, rows_of
+from bench.fastpath.workloads import FAST, forward_batched, probs, rows_of
 
 
 def section_numerics(res: dict, engines: dict, n_cases: int, ckpt: str | None = None) -> None:
@@ -23,7 +23,7 @@ def section_numerics(res: dict, engines: dict, n_cases: int, ckpt: str | None = 
     out = {"cases": n_cases, "rows": len(rows), "tokens": sum(len(r) for r in rows)}
     ref_l, ref_p = forward_batched(eng, rows)
     ref = probs(ref_l, rows)
-    for name in ("eager", "fast", "fast16", "fast8"):
+    for name in ("eager",) + FAST:
         if name not in engines:
             continue
         lg, p0 = forward_batched(engines[name][0], rows)
@@ -74,7 +74,7 @@ def numerics_sources(out: dict, ckpt: str, rows, ref) -> None:
 def section_latency(res: dict, engines: dict, wl: dict) -> None:
     """Our engines on the latency workloads: end-to-end predict/predict_batch and forward only."""
     out = res.setdefault("latency", {})
-    for name in ("fast", "fast16", "fast8", "eager"):
+    for name in FAST + ("eager",):
         if name not in engines:
             continue
         eng = engines[name][0]
@@ -122,7 +122,7 @@ def section_profile(res: dict, engines: dict, wl: dict) -> None:
     """GPU time per op kind of one fast forward (and fast16's): the 10x3@512 batch and a ~64k-token offline
     chunk."""
     out = {}
-    for name in ("fast", "fast16", "fast8"):
+    for name in FAST:
         if name not in engines:
             continue
         eng = engines[name][0]
@@ -191,7 +191,7 @@ def section_offline(res: dict, engines: dict, wl: dict, flops_tok: float, budget
     """Offline throughput: forward-only over pre-encoded rows, and end-to-end predict_batch."""
     out = res.setdefault("offline", {})
     states, qs = wl["offline"]
-    for name in ("fast", "fast16", "fast8", "eager"):
+    for name in FAST + ("eager",):
         if name not in engines or budget.left() < 30:
             continue
         eng = engines[name][0]

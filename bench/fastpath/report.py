@@ -8,13 +8,14 @@ import json
 from bench.fastpath import gemm8
 from bench.fastpath.common import proposal
 from bench.fastpath.model_sections import group_ops
+from bench.fastpath.workloads import FAST
 
 
 def table(res: dict) -> str:
     """The side-by-side table as text."""
     lines = []
     lat = res.get("latency", {})
-    systems = ["ours_fast", "ours_fast16", "ours_fast8", "ours_eager", "upstream_eager", "upstream_tilelang"]
+    systems = ["ours_" + n for n in FAST + ("eager",)] + ["upstream_eager", "upstream_tilelang"]
     lines.append("%-10s %s" % ("workload", " ".join("%18s" % s for s in systems)))
     for w in ("1x1", "1x3", "10x3@512"):
         cells = []
@@ -69,7 +70,7 @@ def table(res: dict) -> str:
             + "; used %s (default %s)" % (al["best"], al["default"]))
     n = res.get("numerics")
     if n:
-        for k in ("eager", "fast", "fast16", "fast8"):
+        for k in ("eager",) + FAST:
             if k in n:
                 lines.append("numerics %-6s vs fp32 (%d rows): max|dp| %.4f  argmax %.3f  act %.4f  nan %s" % (
                     k, n["rows"], n[k]["max_dp"], n[k]["argmax_agree"], n[k]["max_dp_act"], n[k]["nan"]))
@@ -109,15 +110,15 @@ def plot(res: dict, path: str) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    systems = ["ours_fast", "ours_fast16", "ours_fast8", "ours_eager", "upstream_eager", "upstream_tilelang"]
+    systems = ["ours_" + n for n in FAST + ("eager",)] + ["upstream_eager", "upstream_tilelang"]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     lat = res.get("latency", {})
     ws = ["1x1", "1x3", "10x3@512"]
-    width = 0.14
+    width = 0.84 / len(systems)
     for i, s in enumerate(systems):
         vals = [lat.get(w, {}).get(s, {}).get("e2e_ms", 0) for w in ws]
         axes[0].bar([j + i * width for j in range(len(ws))], vals, width, label=s)
-    axes[0].set_xticks([j + 2.5 * width for j in range(len(ws))], ws)
+    axes[0].set_xticks([j + (len(systems) - 1) / 2 * width for j in range(len(ws))], ws)
     axes[0].set_ylabel("ms (end to end, median)")
     axes[0].set_yscale("log")
     axes[0].legend(fontsize=8)

@@ -5,10 +5,15 @@ from __future__ import annotations
 
 import random
 import time
+from dataclasses import replace
 
 import numpy as np
 
 from bench.fastpath.common import log, proposal
+
+# our fast engines: bf16, fp16, the FP8 precision, and bf16 / fp16 with the add+LayerNorm fold from FOLD_M tokens
+FAST = ("fast", "fast16", "fast8", "fold", "fold16")
+FOLD_M = 1024
 
 WORDS = ("order refund late broken invoice payment password login error crash urgent angry happy thanks "
          "please help ticket price plan upgrade cancel shipping address product quality spam offer free "
@@ -30,7 +35,8 @@ def text(rng: random.Random, n: int) -> str:
 
 def make_engines(ckpt: str, which: list[str], max_tokens: int, device: str = "cuda", attn_cfg=None) -> dict:
     """Our engines by name: fast (TileLang, bf16), fast16 (TileLang, fp16), fast8 (the FP8 precision: e4m3 encoder
-    GEMMs, the rest bf16), eager (bf16 autocast), fp32 (eager fp32, TF32 off).
+    GEMMs, the rest bf16), fold / fold16 (fast / fast16 with the tuning table's ln_fold_m at FOLD_M: the
+    add+LayerNorm folded into the GEMMs from that bucket up), eager (bf16 autocast), fp32 (eager fp32, TF32 off).
 
     On a CPU (a dry run of this script) `fast` runs its torch ops instead of the kernels."""
     import torch
@@ -40,11 +46,14 @@ def make_engines(ckpt: str, which: list[str], max_tokens: int, device: str = "cu
     out = {}
     for name in which:
         t = time.perf_counter()
-        if name in ("fast", "fast16", "fast8"):
-            extra = {"ops": "torch"} if device == "cpu" else {"tuning": proposal()}
+        if name in FAST:
+            table = proposal()
+            if name.startswith("fold"):
+                table = replace(table, ln_fold_m=max(FOLD_M, table.small_m + 64))
+            extra = {"tuning": table, **({"ops": "torch"} if device == "cpu" else {})}
             if attn_cfg is not None:
                 extra["attn_cfg"] = attn_cfg
-            if name == "fast16":
+            if name in ("fast16", "fold16"):
                 extra["act_dtype"] = torch.float16
             if name == "fast8":
                 extra["fp8"] = True
