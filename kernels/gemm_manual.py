@@ -78,7 +78,7 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
     if ln not in ("", "fold", "residual") or (ln and (fp8 or act != "none")) or (resid and (geglu or rope_cols)):
         raise ValueError("ln is '', 'fold' (16-bit operands, no activation) or 'residual' (no activation, RoPE or "
                          "GeGLU), got %r" % (ln,))
-    if fold and cfg.smem_bytes(wt, ab) + 16 * cfg.bm > SMEM_LIMIT - 1024:
+    if fold and cfg.smem_bytes(wt, ab) + 8 * cfg.bm > SMEM_LIMIT - 1024:   # St_s: (2, bm / 2, 2) f32
         raise ValueError("%s leaves no room for the fold's row statistics" % cfg.tag())
     (tilelang, T), enter = _tl.tl(), _tl.pdl_enter(wait=cfg.cluster > 1)   # clusters wait in every build
     bm, bn, bk, S = cfg.bm, cfg.bn, cfg.bk, cfg.stages
@@ -217,7 +217,6 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
                     T.tma_copy(Cg_s[c, :, :], C[r0:r0 + hm, bx * bn + c * bk:bx * bn + (c + 1) * bk])
             else:
                 T.tma_copy(Cg_s, C[r0:r0 + hm, bx * bn:(bx + 1) * bn])
-
 
     row_sums, apply_ln = _lnf.macros(T, ln, N, K, M, bm, bn, bk, geglu, bias, eps, EPI_BARRIER) if ln else (None,) * 2
 
