@@ -10,8 +10,10 @@ upstream `laya` 0.4.15.
 from __future__ import annotations
 
 import logging
+import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -38,6 +40,8 @@ class Engine:
         self.codec = Codec(bundle, row_token_limit(bundle, backend), row_arrays=bool(backend.packed))
         self.builder = self.codec.builder
         self.temperatures = self.codec.temperatures
+        self._encode_pool: ThreadPoolExecutor | None = None   # predict_batch's tokenizing ahead, made on first use
+        self._pool_lock = threading.Lock()
         self._hash: str | None = None
 
     # -- facts --------------------------------------------------------------------------------
@@ -124,12 +128,12 @@ class Engine:
             return [_decode.empty_result() for _ in states]
         prepared = self.prepare(questions, max_len, head_max_len)
         chunk = batch_size if (batch_size and batch_size > 0) else len(states)
-        reorder = sort_by_length and 1 < chunk < len(states)
+        # a packed backend pads no row to the longest, so sorting gains it nothing: its windows stay one chunk,
+        # and each is tokenized while the one before it is on the device
+        reorder = sort_by_length and 1 < chunk < len(states) and not self.backend.packed
         window = chunk * 8 if reorder else chunk
         results: list[dict] = []
-        for start in range(0, len(states), window):
-            part = states[start:start + window]
-            encoded = self.encode_many(part, prepared)
+        for encoded in self._encoded([states[i:i + window] for i in range(0, len(states), window)], prepared):
             order = list(range(len(encoded)))
             if reorder:
                 order.sort(key=lambda i: encoded[i].max_len)
@@ -146,6 +150,22 @@ class Engine:
             results.extend(out)  # type: ignore[arg-type]
         _abstention.apply(results, threshold)
         return results
+
+    def _encoded(self, windows: list[Sequence[Any]], prepared: Prepared) -> Iterator[list[EncodedState]]:
+        """`encode_many` of each window in turn, the next one on a worker thread while the caller scores this one
+        (the tokenizer releases the GIL; a wait for the device does too)."""
+        if len(windows) == 1:
+            yield self.encode_many(windows[0], prepared)
+            return
+        with self._pool_lock:
+            if self._encode_pool is None:
+                self._encode_pool = ThreadPoolExecutor(1, thread_name_prefix="laya-encode")
+        ahead = self._encode_pool.submit(self.encode_many, windows[0], prepared)
+        for k in range(len(windows)):
+            encoded = ahead.result()
+            if k + 1 < len(windows):
+                ahead = self._encode_pool.submit(self.encode_many, windows[k + 1], prepared)
+            yield encoded
 
     def warmup(self, max_batch_tokens: int | None = None) -> float:
         """Build every shape the backend will use before traffic, then publish what this process compiled

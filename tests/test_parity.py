@@ -25,6 +25,20 @@ def _assert_same(ours, theirs, where):
         assert ours == theirs, "%s: %r vs %r" % (where, ours, theirs)
 
 
+def _assert_near(ours, theirs, where, tol):
+    """As _assert_same, with floats within tol."""
+    if isinstance(ours, float) and isinstance(theirs, float):
+        assert abs(ours - theirs) <= tol, "%s: %r vs %r" % (where, ours, theirs)
+    elif isinstance(ours, (dict, list)):
+        assert type(ours) is type(theirs) and len(ours) == len(theirs), where
+        pairs = [(k, ours[k], theirs[k]) for k in ours] if isinstance(ours, dict) else enumerate(zip(ours, theirs))
+        for item in pairs:
+            k, a, b = item if isinstance(ours, dict) else (item[0], *item[1])
+            _assert_near(a, b, "%s.%s" % (where, k), tol)
+    else:
+        assert ours == theirs, "%s: %r vs %r" % (where, ours, theirs)
+
+
 @pytest.mark.parametrize("i", range(len(CASES)))
 def test_predict_batch_matches_upstream(engine, oracle, i):
     states, qs = CASES[i]
@@ -61,6 +75,30 @@ def test_single_predict_and_chunked_batches_match_upstream(engine, oracle):
     _assert_same(engine.predict_batch(many, qs, batch_size=4, sort_by_length=True),
                  oracle.predict_batch(many, qs, batch_size=4, sort_by_length=True), "sorted")
     _assert_same(engine.predict_batch(many, qs, batch_size=3), oracle.predict_batch(many, qs, batch_size=3), "chunked")
+
+
+def test_predict_batch_tokenizes_the_next_window_while_it_scores(engine, tiny_checkpoint):
+    """More than one window: every window after the first is tokenized on the engine's worker thread (while the
+    caller scores the one before), and the answers are those of one window. A packed backend (the fast one, on its
+    torch ops) keeps windows of batch_size states even when sorting by length, which gains it nothing."""
+    import threading
+
+    import model
+
+    many = [s for st, _ in CASES[:12] for s in st]
+    qs = CASES[1][1]
+    fast = model.load(tiny_checkpoint, device="cpu", backend="fast", ops="torch", max_batch_tokens=4096)
+    for eng, batch, windows in ((engine, 4, -(-len(many) // 32)), (fast, 4, -(-len(many) // 4))):
+        whole = eng.predict_batch(many, qs)
+        names, encode = [], eng.encode_many
+        eng.encode_many = lambda states, prep, f=encode, seen=names: (
+            seen.append(threading.current_thread().name), f(states, prep))[1]
+        try:
+            got = eng.predict_batch(many, qs, batch_size=batch, sort_by_length=True)
+        finally:
+            del eng.encode_many
+        assert len(names) == windows > 1 and all(n.startswith("laya-encode") for n in names)
+        _assert_near(got, whole, "windows", 2e-4)   # other batches: 4-decimal values may round the other way
 
 
 def test_empty_inputs_match_upstream(engine, oracle):
