@@ -3,6 +3,7 @@ folded forward on the torch ops against the unfolded one, the folded kernels' co
 and, on the GPU, each folded kernel against its reference at awkward sizes and the folded forward's numerics."""
 
 import importlib.util
+import json
 import re
 from dataclasses import replace
 
@@ -56,7 +57,7 @@ def test_the_tuning_switch_and_the_kernel_list(tmp_path):
     are folded gains the four folded forms where its buckets reach ln_fold_m; a bad value is refused, naming it."""
     assert tuning.TABLE.ln_fold_m == 0 and FOLD.as_dict()["ln_fold_m"] == 512
     path = tmp_path / "t.json"
-    path.write_text(__import__("json").dumps(FOLD.as_dict()))
+    path.write_text(json.dumps(FOLD.as_dict()))
     assert tuning.Tuning.from_json(str(path)) == FOLD
     for bad in (256, 100, -1, True, "512", 1.5):
         with pytest.raises(ValueError, match="ln_fold_m"):
