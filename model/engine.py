@@ -10,7 +10,6 @@ upstream `laya` 0.4.15.
 from __future__ import annotations
 
 import logging
-import threading
 import warnings
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -40,8 +39,8 @@ class Engine:
         self.codec = Codec(bundle, row_token_limit(bundle, backend), row_arrays=bool(backend.packed))
         self.builder = self.codec.builder
         self.temperatures = self.codec.temperatures
-        self._encode_pool: ThreadPoolExecutor | None = None   # predict_batch's tokenizing ahead, made on first use
-        self._pool_lock = threading.Lock()
+        # predict_batch's tokenizing ahead (its thread starts at the first multi-window call)
+        self._encode_pool = ThreadPoolExecutor(1, thread_name_prefix="laya-encode")
         self._hash: str | None = None
 
     # -- facts --------------------------------------------------------------------------------
@@ -157,9 +156,6 @@ class Engine:
         if len(windows) == 1:
             yield self.encode_many(windows[0], prepared)
             return
-        with self._pool_lock:
-            if self._encode_pool is None:
-                self._encode_pool = ThreadPoolExecutor(1, thread_name_prefix="laya-encode")
         ahead = self._encode_pool.submit(self.encode_many, windows[0], prepared)
         for k in range(len(windows)):
             encoded = ahead.result()
