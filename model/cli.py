@@ -58,6 +58,16 @@ def _cmd_aot(args: argparse.Namespace) -> int:
     return 0
 
 
+def _fold_m(value: str) -> int:
+    """--ln-fold-m's value: 0, or a token bucket past the tuning table's small_m (argparse's error otherwise)."""
+    from kernels.tuning import TABLE, Tuning
+
+    try:
+        return Tuning.from_dict({**TABLE.as_dict(), "ln_fold_m": int(value)}).ln_fold_m
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def _cmd_precompile(args: argparse.Namespace) -> int:
     from .backends.fast.precompile import run
 
@@ -102,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     pc.add_argument("--fp16", action="store_true", help="also the shapes' fp16 kernels (act_dtype=torch.float16)")
     pc.add_argument("--fp8", action="store_true",
                     help="also the shapes' FP8-precision kernels (LAYA_FLEET_CUDA_AMP=fp8)")
+    pc.add_argument("--ln-fold-m", type=_fold_m, default=0, metavar="M",
+                    help="also the shapes' kernels with the tuning table's ln_fold_m at M: add+LayerNorm folded into "
+                         "the GEMMs from M tokens up (bench/fast_path.py's fold engines: 1024)")
     pc.add_argument("--arch", default=None,
                     help="TileLang target (default $LAYA_FLEET_TL_ARCH, else the visible GPU's, else sm_90a)")
     pc.add_argument("--pack", metavar="FILE.tar.xz", default=None,

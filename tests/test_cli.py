@@ -55,3 +55,19 @@ def test_precompile_command_and_module_take_the_same_flags():
     m = subprocess.run([sys.executable, "-m", "model.backends.fast.precompile", "--help"], capture_output=True,
                        text=True, timeout=300)
     assert m.returncode == 0 and m.stdout == r.stdout
+
+
+def test_precompile_ln_fold_m_adds_the_folded_kernels_and_refuses_a_small_bucket():
+    """`--ln-fold-m M` builds the forward's kernels under a table folding from M tokens up (what bench/fast_path.py's
+    fold engines run): the plain list plus the folded Wqkv / GeGLU and the two residual epilogues; a bucket the
+    small tiles run is an error naming the flag, not an empty build."""
+    from kernels.tuning import TABLE
+    from model.backends.fast.precompile import model_specs
+
+    plain = model_specs("modernbert-large")
+    folded = model_specs("modernbert-large", fold_m=TABLE.small_m + 128)
+    extra = [s for s in folded if s not in plain]
+    assert set(plain) <= set(folded)
+    assert sorted(args[9] for kind, args in extra) == ["fold", "fold", "residual", "residual"], extra
+    r = _run("precompile", "--shapes", "tiny", "--ln-fold-m", str(TABLE.small_m))
+    assert r.returncode == 2 and "--ln-fold-m" in r.stderr and "small_m" in r.stderr, r.stderr

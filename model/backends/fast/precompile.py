@@ -1,6 +1,6 @@
 """Build the fast backend's TileLang kernels ahead of time into the kernel cache (no GPU needed; sm_90a by default).
 
-    laya-fleet precompile --shapes tiny modernbert-large [--fp16] [--fp8] [--pack FILE.tar.xz]
+    laya-fleet precompile --shapes tiny modernbert-large [--fp16] [--fp8] [--ln-fold-m M] [--pack FILE.tar.xz]
     python -m model.backends.fast.precompile ...          (the same command)
 
 The cache (TileLang's, under `model.cache.local_dir("tilelang")`) is keyed by the kernel source, target and
@@ -15,10 +15,12 @@ import importlib
 import os
 import sys
 import time
+from dataclasses import replace
 
 import torch
 
 from kernels import _tl
+from kernels.tuning import TABLE
 
 from . import fp8
 from .backend import configure_tilelang
@@ -35,10 +37,13 @@ def shape_dims(shape: str) -> dict:
     return dict(d=s["hidden"], heads=s["heads"], inter=s["ff"], ffn=4 * s["hidden"], windows={0, 64})
 
 
-def model_specs(shape: str, dtype: torch.dtype = torch.bfloat16, pdl: str = "off") -> list[tuple[str, tuple]]:
+def model_specs(shape: str, dtype: torch.dtype = torch.bfloat16, pdl: str = "off",
+                fold_m: int | None = None) -> list[tuple[str, tuple]]:
     """The kernels a make-checkpoint shape's fast forward uses (bf16, or fp16 with act_dtype=torch.float16) in PDL
-    mode `pdl` (its norms are bias-free: the folded add+LayerNorm forms where the tuning table switches them on)."""
-    return kernel_specs(**shape_dims(shape), dtype=dtype, pdl=pdl, ln_fold=True)
+    mode `pdl` (its norms are bias-free: the folded add+LayerNorm forms where the tuning table switches them on, or,
+    with `fold_m`, a table whose ln_fold_m is that)."""
+    table = TABLE if fold_m is None else replace(TABLE, ln_fold_m=fold_m)
+    return kernel_specs(**shape_dims(shape), dtype=dtype, pdl=pdl, ln_fold=True, table=table)
 
 
 def _checkout_specs(module: str, fn: str) -> list[tuple[str, tuple]]:
@@ -67,10 +72,12 @@ def run(a: argparse.Namespace) -> int:
     mode = configure_tilelang(a.arch)   # $LAYA_FLEET_PDL: which builds the forward runs
     mode = mode if _tl.pdl_arch() else "off"
     specs = []
+    dtypes = [torch.bfloat16] + ([torch.float16] if a.fp16 else [])
     for s in a.shapes:
-        specs += model_specs(s, pdl=mode)
-        if a.fp16:
-            specs += model_specs(s, torch.float16, mode)
+        for dt in dtypes:
+            specs += model_specs(s, dt, mode)
+            if a.ln_fold_m:
+                specs += model_specs(s, dt, mode, a.ln_fold_m)
         if a.fp8:
             dims = shape_dims(s)
             specs += with_pdl(fp8.kernel_specs(dims["d"], dims["inter"], arch=_tl.target()["arch"], sms=sm_count()),
