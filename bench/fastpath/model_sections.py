@@ -199,7 +199,8 @@ def section_offline(res: dict, engines: dict, wl: dict, flops_tok: float, budget
         rows, _ = rows_of(eng, [(states, qs)])
         t_enc = time.perf_counter() - t
         tok = sum(len(r) for r in rows)
-        bud = 65536 if name.startswith("fast") else 32768
+        fast = name in FAST   # fold / fold16 are fast engines too
+        bud = 65536 if fast else 32768
         forward_batched(eng, rows[: min(len(rows), 256)], bud)  # warm
         t = time.perf_counter()
         forward_batched(eng, rows, bud)
@@ -215,9 +216,9 @@ def section_offline(res: dict, engines: dict, wl: dict, flops_tok: float, budget
             t_one = time.perf_counter() - t
             rec.update(fwd_per_chunk_tok_s=rec["fwd_tok_s"], fwd_s=t_one, fwd_tok_s=tok / t_one,
                        fwd_mfu=tok / t_one * flops_tok / PEAK_BF16)
-        if budget.left() > (40 if name.startswith("fast") else 150):
+        if budget.left() > (40 if fast else 150):
             t = time.perf_counter()
-            eng.predict_batch(states, qs, batch_size=256 if name.startswith("fast") else 64, sort_by_length=True)
+            eng.predict_batch(states, qs, batch_size=256 if fast else 64, sort_by_length=True)
             t_e2e = time.perf_counter() - t
             rec.update(e2e_s=t_e2e, e2e_tok_s=tok / t_e2e)
         out["ours_" + name] = rec
