@@ -41,6 +41,8 @@ class Engine:
         self.temperatures = self.codec.temperatures
         # predict_batch's tokenizing ahead (its thread starts at the first multi-window call)
         self._encode_pool = ThreadPoolExecutor(1, thread_name_prefix="laya-encode")
+        # and its decoding behind the device (a thread from the first call with more than one chunk)
+        self._decode_pool = ThreadPoolExecutor(1, thread_name_prefix="laya-decode")
         self._hash: str | None = None
 
     # -- facts --------------------------------------------------------------------------------
@@ -131,24 +133,36 @@ class Engine:
         # and each is tokenized while the one before it is on the device
         reorder = sort_by_length and 1 < chunk < len(states) and not self.backend.packed
         window = chunk * 8 if reorder else chunk
-        results: list[dict] = []
-        for encoded in self._encoded([states[i:i + window] for i in range(0, len(states), window)], prepared):
+        # each chunk's answers are decoded on a worker thread while the next chunk scores (the last one here)
+        results: list[dict | None] = [None] * len(states)
+        decoding = []
+        windows = range(0, len(states), window)
+        for start, encoded in zip(windows, self._encoded([states[i:i + window] for i in windows], prepared)):
             order = list(range(len(encoded)))
             if reorder:
                 order.sort(key=lambda i: encoded[i].max_len)
-            out: list[dict | None] = [None] * len(encoded)
             for off in range(0, len(order), chunk):
                 idx = order[off:off + chunk]
-                rows = [r for i in idx for r in encoded[i].rows]
-                logits, act = self.score(rows)
-                pos = 0
-                for i in idx:
-                    n = len(encoded[i].rows)
-                    out[i] = self.decode(prepared, encoded[i], logits[pos:pos + n], act[pos:pos + n])
-                    pos += n
-            results.extend(out)  # type: ignore[arg-type]
+                logits, act = self.score([r for i in idx for r in encoded[i].rows])
+                args = (results, start, prepared, encoded, idx, logits, act)
+                if start + window >= len(states) and off + chunk >= len(order):
+                    self._decode_into(*args)
+                else:
+                    decoding.append(self._decode_pool.submit(self._decode_into, *args))
+        for f in decoding:
+            f.result()
         _abstention.apply(results, threshold)
-        return results
+        return results  # type: ignore[return-value]
+
+    def _decode_into(self, out: list, start: int, prepared: Prepared, encoded: list[EncodedState], idx: list[int],
+                     logits: np.ndarray, act: np.ndarray) -> None:
+        """Decode the states `idx` of the window from `start` from their chunk's outputs (rows in `idx` order)
+        into `out[start + i]`."""
+        pos = 0
+        for i in idx:
+            n = len(encoded[i].rows)
+            out[start + i] = self.decode(prepared, encoded[i], logits[pos:pos + n], act[pos:pos + n])
+            pos += n
 
     def _encoded(self, windows: list[Sequence[Any]], prepared: Prepared) -> Iterator[list[EncodedState]]:
         """`encode_many` of each window in turn, the next one on a worker thread while the caller scores this one

@@ -63,10 +63,11 @@ def test_single_predict_and_chunked_batches_match_upstream(engine, oracle):
     _assert_same(engine.predict_batch(many, qs, batch_size=3), oracle.predict_batch(many, qs, batch_size=3), "chunked")
 
 
-def test_predict_batch_tokenizes_the_next_window_while_it_scores(engine, tiny_checkpoint):
+def test_predict_batch_tokenizes_ahead_and_decodes_behind_the_forward(engine, tiny_checkpoint):
     """More than one window: every window after the first is tokenized on the engine's worker thread (while the
-    caller scores the one before), and the answers are those of one window. A packed backend (the fast one, on its
-    torch ops) keeps windows of batch_size states even when sorting by length, which gains it nothing."""
+    caller scores the one before), every chunk's states but the last one's are decoded on another (while the caller
+    scores the next), and the answers are those of one window. A packed backend (the fast one, on its torch ops)
+    keeps windows of batch_size states even when sorting by length, which gains it nothing."""
     import threading
 
     import model
@@ -76,14 +77,19 @@ def test_predict_batch_tokenizes_the_next_window_while_it_scores(engine, tiny_ch
     fast = model.load(tiny_checkpoint, device="cpu", backend="fast", ops="torch", max_batch_tokens=4096)
     for eng, batch, windows in ((engine, 4, -(-len(many) // 32)), (fast, 4, -(-len(many) // 4))):
         whole = eng.predict_batch(many, qs)
-        names, encode = [], eng.encode_many
+        names, decoders, encode, decode = [], [], eng.encode_many, eng.decode
         eng.encode_many = lambda states, prep, f=encode, seen=names: (
             seen.append(threading.current_thread().name), f(states, prep))[1]
+        eng.decode = lambda *a, f=decode, seen=decoders: (seen.append(threading.current_thread().name), f(*a))[1]
         try:
             got = eng.predict_batch(many, qs, batch_size=batch, sort_by_length=True)
         finally:
-            del eng.encode_many
+            del eng.encode_many, eng.decode
         assert len(names) == windows > 1 and all(n.startswith("laya-encode") for n in names)
+        last = len(many) % batch or batch   # the last chunk's states, decoded by the caller: nothing left to overlap
+        assert len(decoders) == len(many)
+        mine = threading.current_thread().name   # the worker may still decode a chunk while the caller decodes its last
+        assert decoders.count(mine) == last and all(n == mine or n.startswith("laya-decode") for n in decoders)
         _assert_same(got, whole, "windows", 2e-4)   # other batches: 4-decimal values may round the other way
 
 
