@@ -105,6 +105,9 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
     if joint:
         acc_regs *= 2                     # one accumulator of 2 * bn columns
     epi_bias = bias and not ln            # the fold and the residual add the bias before the epilogue
+    pingpong = cfg.pingpong
+    warps = CONSUMER_WARPS // 2 if pingpong else CONSUMER_WARPS   # consumer warps that free a ring position
+    PPN, PPG = (2, 1) if pingpong else (1, 0)   # ring positions a tile takes / a consumer skips
 
     @T.macro
     def release(empty, s):
@@ -116,29 +119,45 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
             T.mbarrier_arrive(empty[s])
 
     @T.macro
-    def produce(A, W, A0_s, A1_s, W_s, Wg_s, full, empty, by, bx, it):
-        # one tile's k-steps; `it` counts the tiles this block has done before (persistent), so the ring's
-        # slot and parity run on across tiles
-        for k in T.serial(k_iters):
-            g = it * k_iters + k
-            s = g % S
-            T.mbarrier_wait_parity(empty[s], ((g // S) & 1) ^ 1)
+    def load(A, W, A0_s, A1_s, W_s, Wg_s, full, empty, by, bx, k, g, half):
+        # one k-step into ring position g: both A halves, or under ping-pong the half `half` of the consumer
+        # that takes this position
+        s = g % S
+        T.mbarrier_wait_parity(empty[s], ((g // S) & 1) ^ 1)
+        if pingpong:
+            if half == 0:
+                T.tma_copy(A[by * bm:by * bm + hm, k * bk:(k + 1) * bk], A0_s[s, :, :], barrier=full[s])
+            else:
+                T.tma_copy(A[by * bm + hm:by * bm + bm, k * bk:(k + 1) * bk], A1_s[s, :, :], barrier=full[s])
+        else:
             T.tma_copy(A[by * bm:by * bm + hm, k * bk:(k + 1) * bk], A0_s[s, :, :], barrier=full[s])
             T.tma_copy(A[by * bm + hm:by * bm + bm, k * bk:(k + 1) * bk], A1_s[s, :, :], barrier=full[s])
-            if joint:
-                # GELU half into the stage tile's first bn rows, gate half into the rest (past 2N: zeros)
-                T.tma_copy(W[bx * bn:(bx + 1) * bn, k * bk:(k + 1) * bk], W_s[s, 0:bn, :], barrier=full[s],
-                           cluster_mask=mask)
-                T.tma_copy(W[N + bx * bn:N + (bx + 1) * bn, k * bk:(k + 1) * bk], W_s[s, bn:2 * bn, :],
-                           barrier=full[s], cluster_mask=mask)
-            else:
-                T.tma_copy(W[bx * bn:(bx + 1) * bn, k * bk:(k + 1) * bk], W_s[s, :, :], barrier=full[s],
-                           cluster_mask=mask)
-            if geglu and not joint:
-                # the gate half's rows; past 2N (the last tile's tail) TMA fills zeros, never stored
-                T.tma_copy(W[N + bx * bn:N + (bx + 1) * bn, k * bk:(k + 1) * bk], Wg_s[s, :, :], barrier=full[s],
-                           cluster_mask=mask)
-            T.barrier_arrive(full[s])
+        if joint:
+            # GELU half into the stage tile's first bn rows, gate half into the rest (past 2N: zeros)
+            T.tma_copy(W[bx * bn:(bx + 1) * bn, k * bk:(k + 1) * bk], W_s[s, 0:bn, :], barrier=full[s],
+                       cluster_mask=mask)
+            T.tma_copy(W[N + bx * bn:N + (bx + 1) * bn, k * bk:(k + 1) * bk], W_s[s, bn:2 * bn, :],
+                       barrier=full[s], cluster_mask=mask)
+        else:
+            T.tma_copy(W[bx * bn:(bx + 1) * bn, k * bk:(k + 1) * bk], W_s[s, :, :], barrier=full[s],
+                       cluster_mask=mask)
+        if geglu and not joint:
+            # the gate half's rows; past 2N (the last tile's tail) TMA fills zeros, never stored
+            T.tma_copy(W[N + bx * bn:N + (bx + 1) * bn, k * bk:(k + 1) * bk], Wg_s[s, :, :], barrier=full[s],
+                       cluster_mask=mask)
+        T.barrier_arrive(full[s])
+
+    @T.macro
+    def produce(A, W, A0_s, A1_s, W_s, Wg_s, full, empty, by, bx, it):
+        # one tile's k-steps; `it` counts the tiles this block has done before (persistent), so the ring's
+        # slot and parity run on across tiles. Ping-pong: the first consumer's k-steps, then the second's
+        if pingpong:
+            for h in T.unroll(2):
+                for k in T.serial(k_iters):
+                    load(A, W, A0_s, A1_s, W_s, Wg_s, full, empty, by, bx, k, (it * 2 + h) * k_iters + k, h)
+        else:
+            for k in T.serial(k_iters):
+                load(A, W, A0_s, A1_s, W_s, Wg_s, full, empty, by, bx, k, it * k_iters + k, 0)
 
     @T.macro
     def epilogue(C, Bias, C_l, Cx_l, Cg_s, Cs_l, Sn_l, Xr_l, by, bx, grp):
@@ -238,8 +257,9 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
         if fold:
             st[0][0] = T.float32(0)
             st[0][1] = T.float32(0)
+        g0 = (it * PPN + grp * PPG) * k_iters   # this consumer's first ring position
         for k in T.serial(k_iters):
-            g = it * k_iters + k
+            g = g0 + k
             s = g % S
             T.mbarrier_wait_parity(full[s], (g // S) & 1)
             if geglu and not joint:
@@ -269,7 +289,7 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
         if inflight:
             T.wait_wgmma(0)
             if lane == 0:
-                release(empty, (it * k_iters + k_iters - 1) % S)
+                release(empty, (g0 + k_iters - 1) % S)
         T.warpgroup_fence_operand(C_l, num_regs=acc_regs)
         if geglu and not joint:
             T.warpgroup_fence_operand(Cx_l, num_regs=acc_regs)
@@ -336,8 +356,7 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
             xr = [T.alloc_fragment((hm, 32), F32) for _ in range(2)] if rope_cols and cfg.rope_regs else [None] * 2
             full = T.alloc_barrier([PRODUCER_THREADS] * S)
             # with clusters: every consumer warp of both blocks frees a stage in both
-            empty = T.alloc_cluster_barrier([CONSUMER_WARPS * 2] * S) if CL > 1 else \
-                T.alloc_barrier([CONSUMER_WARPS] * S)
+            empty = T.alloc_cluster_barrier([warps * 2] * S) if CL > 1 else T.alloc_barrier([warps] * S)
             go = T.alloc_barrier([CONSUMER_WARPS // 2]) if stagger else None   # the first consumer's 4 warps
             St_s = T.alloc_shared((2, hm, 2), F32) if fold else None   # each row's mean and rstd
             # each consumer's (sums and shift, a 16-byte load of A)

@@ -29,15 +29,18 @@ class GemmWSConfig:
     stagger: int = 0        # k-steps the second consumer starts behind the first, so their epilogues alternate
     rope_regs: bool = False  # RoPE form: rotate each Q/K head in registers before staging, not in shared memory
     cluster: int = 1        # persistent: 2 = blocks in 2-CTA pairs sharing each W tile by TMA multicast
+    pingpong: bool = False  # persistent: the consumers take a tile's two row halves in turn (one's epilogue under
+                            # the other's products); W is loaded once a half
 
     def tag(self) -> str:
         """A short text form, e.g. 128x256x64s4 (p132: persistent over 132 blocks; w0: inflight=0; j: joint; gN:
-        stagger N; q: RoPE in registers; c2: 2-CTA clusters with the W tiles multicast)."""
-        return "%dx%dx%ds%d%s%s%s%s%s%s" % (self.bm, self.bn, self.bk, self.stages,
+        stagger N; q: RoPE in registers; c2: 2-CTA clusters with the W tiles multicast; pp: ping-pong)."""
+        return "%dx%dx%ds%d%s%s%s%s%s%s%s" % (self.bm, self.bn, self.bk, self.stages,
                                             "p%d" % self.persistent if self.persistent else "",
                                             "" if self.inflight else "w0", "j" if self.joint else "",
                                             "g%d" % self.stagger if self.stagger else "", "q" if self.rope_regs else "",
-                                            "c%d" % self.cluster if self.cluster > 1 else "")
+                                            "c%d" % self.cluster if self.cluster > 1 else "",
+                                            "pp" if self.pingpong else "")
 
     def epilogue(self, wt: int = 1, ab: int = 2) -> str:
         """How the consumers stage their output for the TMA store: "alias" (non-persistent, stages * bk == bn,
@@ -89,6 +92,9 @@ def check_config(cfg: GemmWSConfig, wt: int = 1, ab: int = 2) -> None:
         raise ValueError("cluster must be 1 or 2")
     if cfg.cluster > 1 and (not cfg.persistent or cfg.persistent % 2 or cfg.stagger):
         raise ValueError("2-CTA clusters need a persistent kernel over an even number of blocks and no stagger")
+    if cfg.pingpong and (not cfg.persistent or cfg.stagger or not cfg.inflight):
+        raise ValueError("ping-pong needs a persistent kernel, no stagger and inflight=1 (one consumer at a time "
+                         "keeps the tensor cores busy only with a batch in flight)")
 
 
 # The defaults for more than gemm.SMALL_M rows on Hopper: persistent 2-CTA clusters, Wqkv's RoPE in registers,

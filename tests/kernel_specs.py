@@ -44,20 +44,22 @@ def test_specs() -> list[tuple[str, tuple]]:
 
 GEGLU_TEST_CFGS = (_gm.GEGLU, replace(_gm.GEGLU, inflight=1), replace(_gm.GEGLU, joint=False),
                    replace(_gm.GEGLU, joint=False, inflight=1), replace(_gm.GEGLU, persistent=0, stages=3, cluster=1),
-                   replace(_gm.GEGLU, cluster=1, stagger=3), replace(_gm.GEGLU, cluster=1))
+                   replace(_gm.GEGLU, cluster=1, stagger=3), replace(_gm.GEGLU, cluster=1),
+                   replace(_gm.GEGLU, inflight=1, pingpong=True))
+PINGPONG = replace(_gm.GEMM, inflight=1, pingpong=True)
 
 
 def manual_test_specs() -> list[tuple[str, tuple]]:
     """The kernels tests/test_gemm_manual.py runs."""
     cfgs = (_gm.GEMM, replace(_gm.GEMM, inflight=1), _gm.GemmWSConfig(stages=4),
             _gm.GemmWSConfig(stages=3, persistent=132), replace(_gm.GEMM, cluster=1, stagger=2),
-            replace(_gm.GEMM, cluster=1))
+            replace(_gm.GEMM, cluster=1), PINGPONG, replace(PINGPONG, cluster=1))
     prods = [(3072, 1024, False, "none"), (1024, 2624, False, "none"), (4096, 1024, True, "relu"),
              (1024, 1024, True, "gelu"), (1024, 1000, False, "none")]
     out = [("gemm_ws", (N, K, c, b, a, 0, False, BF)) for c in cfgs for N, K, b, a in prods]
     out += [("gemm_ws", (3072, 1024, c, False, "none", 2048, False, BF))
             for c in (_gm.GEMM, replace(_gm.GEMM, cluster=1, stagger=2), replace(_gm.GEMM, rope_regs=False),
-                      replace(_gm.GEMM, cluster=1))]
+                      replace(_gm.GEMM, cluster=1), PINGPONG)]
     out += [("gemm_ws", (2624, 1024, c, False, "none", 0, True, BF)) for c in GEGLU_TEST_CFGS]
     out += [("gemm_ws", (1024, 1024, _gm.GEMM, True, "none", 0, False, torch.float16))]
     out += [("gemm_ws", (2624, 1024, c, False, "none", 0, True, torch.float16))

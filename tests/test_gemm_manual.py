@@ -14,7 +14,7 @@ import torch
 from kernels import geglu, gemm, rope, tuning
 from kernels import gemm_manual as gm
 from model.backends.fast import specs as forward
-from tests.kernel_specs import GEGLU_TEST_CFGS
+from tests.kernel_specs import GEGLU_TEST_CFGS, PINGPONG
 from tests.test_kernels import _check_fused_rope, _close, _node_local_kernel_cache, _poison, use_sm90  # noqa: F401
 
 HAS_TILELANG = importlib.util.find_spec("tilelang") is not None
@@ -213,6 +213,14 @@ def test_manual_kernels_compile_for_hopper(monkeypatch):
     q = gm.gemm_manual_kernel(3072, 1024, gm.GEMM, rope_cols=2048).get_kernel_source()
     assert "_c128x256x64s4p132w0qc2_r2048" in q and "__bfloat1622float2" in q
     assert "= *(uint2*)(((bfloat16_t*)C0_s)" not in q and "= *(uint2*)(((bfloat16_t*)C0_s)" in rs
+    # ping-pong: each ring position holds one consumer's A half (one A load of two per position, in turn) and is
+    # freed by that consumer's 4 warps (in both blocks of a pair: 8)
+    pp = gm.gemm_manual_kernel(2624, 1024, replace(gm.GEGLU, inflight=1, pingpong=True), geglu=True
+                               ).get_kernel_source()
+    assert "_c128x128x64s4p132jc2pp_" in pp and "empty[0].init(8)" in pp and "wait_wgmma<1>" in pp
+    assert "if (half == 0)" in pp and pp.count("tma_load(A_desc") == 2
+    p1 = gm.gemm_manual_kernel(1024, 1024, replace(PINGPONG, cluster=1)).get_kernel_source()
+    assert "empty[0].init(4)" in p1
     bs = gm.gemm_manual_kernel(4096, 1024, gm.GEMM, bias=True, act="relu", dtype=F16).get_kernel_source()
     assert "Bias" in bs and "kFloat16" in bs and "_ifloat16_b1_arelu" in bs
     with pytest.raises(ValueError, match="RoPE"):
@@ -226,7 +234,8 @@ DEV = "cuda"
 
 CFGS = {"default": gm.GEMM, "inflight": gm.GemmWSConfig(stages=4, persistent=132, inflight=1),
         "alias": gm.GemmWSConfig(stages=4), "full": gm.GemmWSConfig(stages=3, persistent=132),
-        "stagger": replace(gm.GEMM, cluster=1, stagger=2), "one_block": replace(gm.GEMM, cluster=1)}
+        "stagger": replace(gm.GEMM, cluster=1, stagger=2), "one_block": replace(gm.GEMM, cluster=1),
+        "pingpong": PINGPONG, "pingpong_one_block": replace(PINGPONG, cluster=1)}
 
 
 @gpu
@@ -263,7 +272,7 @@ def test_manual_gemm_with_rope_equals_gemm_then_rope(M):
     gm.gemm_manual_kernel(3072, 1024, gm.GEMM)(a, w, z, two_step)
     rope.rope(two_step, pos, cos, sin, heads)
     for cfg in (gm.GEMM, replace(gm.GEMM, cluster=1, stagger=2), replace(gm.GEMM, rope_regs=False),
-                replace(gm.GEMM, cluster=1)):
+                replace(gm.GEMM, cluster=1), PINGPONG):
         fused = _poison(M, 3072)
         gm.gemm_manual_kernel(3072, 1024, cfg, rope_cols=2048)(a, w, z, fused, pos, cos, sin)
         _check_fused_rope(fused, two_step, a, w, pos, cos, sin, heads)
@@ -289,11 +298,17 @@ def test_manual_geglu(M, cfg):
 def test_cluster_multicast_same_bits(M):
     """2-CTA clusters with the W tiles multicast (the defaults) run the same products in the same order: every bit is
     the one-block kernel's (M = 1, 77: one row block, its pair past M; 129: two; odd and even pair counts)."""
+    _same_bits_as_shipped(M, replace(gm.GEGLU, cluster=1), replace(gm.GEMM, cluster=1))
+
+
+def _same_bits_as_shipped(M: int, geglu_cfg: gm.GemmWSConfig, rope_cfg: gm.GemmWSConfig) -> torch.Tensor:
+    """Assert that the GeGLU under `geglu_cfg` and Wqkv + RoPE under `rope_cfg` give the shipped configs' bits on M
+    random rows; returns the rows."""
     a = torch.randn(M, 1024, device=DEV).bfloat16()
     wi = (torch.randn(2 * 2624, 1024, device=DEV) / 32).bfloat16()
     ref, out = _poison(M, 2624), _poison(M, 2624)
     gm.gemm_manual_kernel(2624, 1024, gm.GEGLU, geglu=True)(a, wi, ref)
-    gm.gemm_manual_kernel(2624, 1024, replace(gm.GEGLU, cluster=1), geglu=True)(a, wi, out)
+    gm.gemm_manual_kernel(2624, 1024, geglu_cfg, geglu=True)(a, wi, out)
     assert torch.equal(out, ref)
     w = (torch.randn(3072, 1024, device=DEV) / 32).bfloat16()
     pos = torch.randint(0, 512, (M,), device=DEV, dtype=torch.int32)
@@ -301,8 +316,9 @@ def test_cluster_multicast_same_bits(M):
     z = gemm._zeros(3072, DEV)
     ref, out = _poison(M, 3072), _poison(M, 3072)
     gm.gemm_manual_kernel(3072, 1024, gm.GEMM, rope_cols=2048)(a, w, z, ref, pos, cos, sin)
-    gm.gemm_manual_kernel(3072, 1024, replace(gm.GEMM, cluster=1), rope_cols=2048)(a, w, z, out, pos, cos, sin)
+    gm.gemm_manual_kernel(3072, 1024, rope_cfg, rope_cols=2048)(a, w, z, out, pos, cos, sin)
     assert torch.equal(out, ref)
+    return a
 
 
 @gpu
@@ -322,6 +338,32 @@ def test_manual_kernels_in_fp16():
 
 
 # -- e4m3 operands (the FP8 precision) ----------------------------------------------------------
+def test_pingpong_config():
+    """Ping-pong runs persistent, with a batch in flight (one consumer at a time issues the products) and no
+    stagger (the ring order already alternates the consumers); its tag says so."""
+    pp = replace(gm.GEMM, inflight=1, pingpong=True)
+    gm.check_config(pp)
+    assert pp.tag() == "128x256x64s4p132qc2pp"
+    for bad in (replace(pp, inflight=0), replace(pp, persistent=0, cluster=1), replace(pp, cluster=1, stagger=2)):
+        with pytest.raises(ValueError, match="ping-pong"):
+            gm.check_config(bad)
+
+
+@gpu
+@needs_tilelang
+@pytest.mark.parametrize("M", [1, 77, 129, 4099, 40000])
+def test_pingpong_same_bits(M):
+    """Ping-pong runs each half's products in the same k order on the same wgmma shapes as the cooperative
+    schedule, so every bit is the shipped kernel's: the GeGLU, Wqkv with its RoPE, and a plain product with a bias,
+    with and without 2-CTA clusters (M = 1, 77: one row block, the second consumer's half past M)."""
+    a = _same_bits_as_shipped(M, replace(gm.GEGLU, inflight=1, pingpong=True), PINGPONG)
+    w4, b = (torch.randn(4096, 1024, device=DEV) / 32).bfloat16(), torch.randn(4096, device=DEV)
+    ref, out = _poison(M, 4096), _poison(M, 4096)
+    gm.gemm_manual_kernel(4096, 1024, gm.GEMM, True, "relu")(a, w4, b, ref)
+    gm.gemm_manual_kernel(4096, 1024, replace(PINGPONG, cluster=1), True, "relu")(a, w4, b, out)
+    assert torch.equal(out, ref)
+
+
 def test_fp8_configs_and_pick():
     """128-element (128-byte) k-steps; the GEMM's 4-stage ring leaves room for the chunked epilogue only, which
     Wqkv's RoPE needs; a 16-bit k-step must stay within its swizzle atom, an e4m3 one within 128 elements."""
