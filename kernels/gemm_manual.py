@@ -257,11 +257,23 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
         if fold:
             st[0][0] = T.float32(0)
             st[0][1] = T.float32(0)
+        if pingpong:
+            # a ring slot's full barrier completes k_iters / S times for the other consumer's half between two of
+            # this one's: a parity wait alone could pass on the other's phase, so the consumers wait their turn
+            if grp == 0:
+                if it > 0:
+                    T.mbarrier_wait_parity(go[0], (it - 1) & 1)
+            else:
+                T.mbarrier_wait_parity(go[1], it & 1)
         g0 = (it * PPN + grp * PPG) * k_iters   # this consumer's first ring position
         for k in T.serial(k_iters):
             g = g0 + k
             s = g % S
             T.mbarrier_wait_parity(full[s], (g // S) & 1)
+            if pingpong:
+                if k == k_iters - 1:
+                    if lane == 0:
+                        T.mbarrier_arrive(go[1 - grp])
             if geglu and not joint:
                 # C_l takes the GELU half, Cx_l the gate half
                 T.wgmma_gemm(Ag_s[s, :, :], W_s[s, :, :], C_l, transpose_B=True, clear_accum=(k == 0))
@@ -357,7 +369,9 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
             full = T.alloc_barrier([PRODUCER_THREADS] * S)
             # with clusters: every consumer warp of both blocks frees a stage in both
             empty = T.alloc_cluster_barrier([warps * 2] * S) if CL > 1 else T.alloc_barrier([warps] * S)
-            go = T.alloc_barrier([CONSUMER_WARPS // 2]) if stagger else None   # the first consumer's 4 warps
+            # stagger: the first consumer's 4 warps release the second; ping-pong: go[c] is consumer c's turn, given
+            # by the other's 4 warps once they have waited for their half's last k-step
+            go = T.alloc_barrier([CONSUMER_WARPS // 2] * (2 if pingpong else 1)) if stagger or pingpong else None
             St_s = T.alloc_shared((2, hm, 2), F32) if fold else None   # each row's mean and rstd
             # each consumer's (sums and shift, a 16-byte load of A)
             st = [(T.alloc_local((3,), F32), T.alloc_local((8,), AB)) for _ in range(2)] if fold else [(None, None)] * 2

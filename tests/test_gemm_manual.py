@@ -219,6 +219,8 @@ def test_manual_kernels_compile_for_hopper(monkeypatch):
                                ).get_kernel_source()
     assert "_c128x128x64s4p132jc2pp_" in pp and "empty[0].init(8)" in pp and "wait_wgmma<1>" in pp
     assert "if (half == 0)" in pp and pp.count("tma_load(A_desc") == 2
+    # each consumer waits its turn (the other has waited for its half's last k-step) before its own waits
+    assert "go[0].init(4)" in pp and "go[1].init(4)" in pp and "go[0].wait(((it_1 - 1) & 1))" in pp
     p1 = gm.gemm_manual_kernel(1024, 1024, replace(PINGPONG, cluster=1)).get_kernel_source()
     assert "empty[0].init(4)" in p1
     bs = gm.gemm_manual_kernel(4096, 1024, gm.GEMM, bias=True, act="relu", dtype=F16).get_kernel_source()
