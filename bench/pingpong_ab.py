@@ -3,9 +3,11 @@ tile's two row halves at once, so their epilogues stall the tensor cores togethe
 take the halves in turn, one's epilogue under the other's products; kernels/gemm_manual.py, `pingpong`).
 
 Every encoder product of a modernbert-large layer (Wqkv with its RoPE, Wo, Wi with its GeGLU, MLP Wo) at the
-offline chunk's and the 10 x 3 batch's token counts, in bf16 and with e4m3 operands (the FP8 precision's kernels),
-each variant checked against the shipped kernel's output (the same k order and wgmma shapes: equal bits expected)
-and timed beside torch.matmul. Prints a table, writes JSON and draws a PNG.
+offline chunk's and the 10 x 3 batch's token counts, in bf16, with e4m3 operands (the FP8 precision's kernels) and
+in the add+LayerNorm fold's forms (folded Wqkv / Wi, residual Wo / MLP Wo). Each variant is checked against the
+shipped kernel's output (the same k order and wgmma shapes: equal bits expected) and timed beside torch.matmul.
+Prints a table, writes JSON and draws a PNG. A variant that faults the GPU takes the process's CUDA context with
+it: the JSON keeps the rows before it.
 
     python3 bench/pingpong_ab.py --out $OUT/pingpong_ab.json
     python3 bench/pingpong_ab.py --compile-only --pack .gpu/pingpong-tl-cache.tar.xz   (CPU: build the kernels)
@@ -43,7 +45,8 @@ def variants(base):
 
 
 def product_configs(fp8: bool, sms: int):
-    """{(name, fp8): [(tag, config)]} for every product, the shipped config from kernels/tuning.py's pick."""
+    """{name: [(tag, config)]} for every product (e4m3 operands when `fp8`), the shipped config from
+    kernels/tuning.py's pick first."""
     import torch
 
     from kernels.tuning import pick_gemm_ws, pick_gemm_ws8
@@ -72,15 +75,10 @@ def specs(sms: int = 132) -> list[tuple[str, tuple]]:
     return out
 
 
-def _time(fn) -> float:
-    from bench.fastpath.common import bench_gpu
-
-    return bench_gpu(fn)
-
-
 def run(out_path: str) -> dict:
     import torch
 
+    from bench.fastpath.common import bench_gpu as _time
     from kernels import _tl, quant
     from kernels import gemm_manual as GM
     from kernels import rope as RP
@@ -218,6 +216,8 @@ def main(argv=None) -> int:
     ap.add_argument("--compile-only", action="store_true", help="build the kernels into the cache (no GPU needed)")
     ap.add_argument("--pack", default=None, help="with --compile-only: pack the kernel cache into this tar.xz")
     a = ap.parse_args(argv)
+    if a.pack and not a.compile_only:   # packing is what --compile-only fills; alone it would be ignored
+        ap.error("--pack goes with --compile-only")
     if a.compile_only:
         from model.backends.fast import configure_tilelang
         from model.backends.fast.precompile import pack_cache

@@ -342,7 +342,7 @@ def test_manual_kernels_in_fp16():
 # -- e4m3 operands (the FP8 precision) ----------------------------------------------------------
 def test_pingpong_config():
     """Ping-pong runs persistent, with a batch in flight (one consumer at a time issues the products) and no
-    stagger (the ring order already alternates the consumers); its tag says so."""
+    stagger (the turn barriers already alternate the consumers); its tag says so."""
     pp = replace(gm.GEMM, inflight=1, pingpong=True)
     gm.check_config(pp)
     assert pp.tag() == "128x256x64s4p132qc2pp"
