@@ -10,8 +10,8 @@ shared-memory stage and does not overlap a tile's epilogue with the next tile's 
   mbarrier, issues the TMA loads of A (one half per consumer) and W, and arrives on its `full` mbarrier;
 * warpgroups 1 and 2 are consumers (`setmaxnreg` up to `CONSUMER_REGS`), each owning bm/2 rows x bn columns in an
   fp32 fragment (two for GeGLU): wait `full[s]`, issue the wgmma batch, release the stage (`inflight` says when);
-* the epilogue (bias, activation, GELU x gate, RoPE) runs on the fragment, stages a 16-bit tile and stores it by
-  TMA, which clips rows >= M and columns >= N, so any runtime M works.
+* the epilogue (bias, activation, GELU x gate, RoPE; kernels/gemm_epilogue.py) runs on the fragment, stages a
+  16-bit tile and stores it by TMA, which clips rows >= M and columns >= N, so any runtime M works.
 
 `persistent > 0` launches that many blocks (one per SM) walking the output tiles in row-major order, the stage ring
 running on across tiles so the producer loads the next tile during this tile's epilogue. `cluster=2` runs the
@@ -23,6 +23,7 @@ BENCHMARKS.md, "GPU fast path"."""
 import torch
 
 from . import _tl
+from . import gemm_epilogue as _epi
 from . import ln_fold as _lnf
 from .gemm_ws_config import (
     CLUSTER_MIN_N,
@@ -64,7 +65,7 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
     and Cs[NW] f32 its row sums, the row's mean and rstd summed by the consumers from the A tiles they multiply; Cs
     comes after Bias (the GeGLU form: main(A, Wi, Cs, C)). "residual": the residual add, main(A, W, Bias, X, C)
     with X[M,N] f32 the stream: X += A @ W^T + Bias, and C = X rounded (the next fold's A)."""
-    from .gemm import ACTS, apply_act
+    from .gemm import ACTS
 
     wt, ab = 2 if geglu else 1, 1 if fp8 else 2
     check_config(cfg, wt, ab)
@@ -159,83 +160,7 @@ def build_gemm_manual(N: int, K: int, cfg: GemmWSConfig = GemmWSConfig(), bias: 
             for k in T.serial(k_iters):
                 load(A, W, A0_s, A1_s, W_s, Wg_s, full, empty, by, bx, k, it * k_iters + k, 0)
 
-    @T.macro
-    def epilogue(C, Bias, C_l, Cx_l, Cg_s, Cs_l, Sn_l, Xr_l, by, bx, grp):
-        r0 = by * bm + grp * hm
-        if epi == "chunk":
-            # EPI_COLS columns at a time through a double buffer: a buffer is rewritten only once the store from
-            # it two chunks ago has read it (at most one bulk group, the other buffer's, pending)
-            for c in T.unroll(bn // EPI_COLS):
-                if geglu:
-                    for i, j in T.Parallel(hm, EPI_COLS):
-                        C_l[i, c * EPI_COLS + j] = apply_act(C_l[i, c * EPI_COLS + j], "gelu", T) * \
-                            Cx_l[i, c * EPI_COLS + j]
-                elif epi_bias:
-                    for i, j in T.Parallel(hm, EPI_COLS):
-                        C_l[i, c * EPI_COLS + j] = apply_act(
-                            C_l[i, c * EPI_COLS + j] + Bias[bx * bn + c * EPI_COLS + j], act, T)
-                elif act != "none":
-                    for i, j in T.Parallel(hm, EPI_COLS):
-                        C_l[i, c * EPI_COLS + j] = apply_act(C_l[i, c * EPI_COLS + j], act, T)
-                if rope_cols and cfg.rope_regs:
-                    if bx * bn + c * EPI_COLS < rope_cols:
-                        # a Q or K head, rotated in registers from its rounded value; the upper half goes through a
-                        # fragment of its own (a parallel loop indexes a fragment one way only)
-                        for i, d in T.Parallel(hm, 32):
-                            Xr_l[i, d] = C_l[i, c * EPI_COLS + 32 + d]
-                        for i, d in T.Parallel(hm, 32):
-                            x0 = T.Cast(F32, T.Cast(DT, C_l[i, c * EPI_COLS + d]))
-                            x1 = T.Cast(F32, T.Cast(DT, Xr_l[i, d]))
-                            C_l[i, c * EPI_COLS + d] = x0 * Cs_l[i, d] - x1 * Sn_l[i, d]
-                            Xr_l[i, d] = x1 * Cs_l[i, d] + x0 * Sn_l[i, d]
-                        for i, d in T.Parallel(hm, 32):
-                            C_l[i, c * EPI_COLS + 32 + d] = Xr_l[i, d]
-                T.tma_store_wait(1)
-                T.sync_threads(EPI_BARRIER + grp, 128)
-                T.copy(C_l[:, c * EPI_COLS:(c + 1) * EPI_COLS], Cg_s[c % 2, :, :])
-                if rope_cols and not cfg.rope_regs:
-                    if bx * bn + c * EPI_COLS < rope_cols:
-                        # a Q or K head: rotate the staged (rounded) values in place; each thread reads both
-                        # halves of its pairs before writing them, other threads' writes are behind the barrier
-                        T.sync_threads(EPI_BARRIER + grp, 128)
-                        for i, d in T.Parallel(hm, 32):
-                            x0 = T.Cast(F32, Cg_s[c % 2, i, d])
-                            x1 = T.Cast(F32, Cg_s[c % 2, i, d + 32])
-                            Cg_s[c % 2, i, d] = T.Cast(DT, x0 * Cs_l[i, d] - x1 * Sn_l[i, d])
-                            Cg_s[c % 2, i, d + 32] = T.Cast(DT, x1 * Cs_l[i, d] + x0 * Sn_l[i, d])
-                T.fence_proxy_async()
-                T.sync_threads(EPI_BARRIER + grp, 128)
-                T.tma_copy(Cg_s[c % 2, :, :], C[r0:r0 + hm, bx * bn + c * EPI_COLS:bx * bn + (c + 1) * EPI_COLS])
-        else:
-            # the previous tile's store must have read the staging tile before it is overwritten; then fragment
-            # -> shared, fence to the async proxy, the stores (no wait: the next tile or the kernel's end waits)
-            if geglu:
-                for i, j in T.Parallel(hm, bn):
-                    C_l[i, j] = apply_act(C_l[i, j], "gelu", T) * Cx_l[i, j]
-            elif epi_bias:
-                for i, j in T.Parallel(hm, bn):
-                    C_l[i, j] = apply_act(C_l[i, j] + Bias[bx * bn + j], act, T)
-            elif act != "none":
-                for i, j in T.Parallel(hm, bn):
-                    C_l[i, j] = apply_act(C_l[i, j], act, T)
-            T.tma_store_wait(0)
-            T.sync_threads(EPI_BARRIER + grp, 128)
-            if epi == "alias":
-                # Cg_s is this consumer's A half-ring (S, hm, bk): column block c of the tile goes to slab c, which
-                # has the 128-byte-swizzled (hm, bk) layout of the TMA store box of that column block
-                for c in T.unroll(S):
-                    T.copy(C_l[:, c * bk:(c + 1) * bk], Cg_s[c, :, :])
-            elif joint:
-                T.copy(C_l[:, 0:bn], Cg_s)
-            else:
-                T.copy(C_l, Cg_s)
-            T.fence_proxy_async()
-            T.sync_threads(EPI_BARRIER + grp, 128)
-            if epi == "alias":
-                for c in T.unroll(S):
-                    T.tma_copy(Cg_s[c, :, :], C[r0:r0 + hm, bx * bn + c * bk:bx * bn + (c + 1) * bk])
-            else:
-                T.tma_copy(Cg_s, C[r0:r0 + hm, bx * bn:(bx + 1) * bn])
+    epilogue = _epi.macro(T, cfg, epi_bias, act, rope_cols, geglu, DT, epi)
 
     row_sums, apply_ln = _lnf.macros(T, ln, N, K, M, bm, bn, bk, geglu, bias, eps, EPI_BARRIER) if ln else (None,) * 2
 
