@@ -351,6 +351,26 @@ def test_pingpong_config():
             gm.check_config(bad)
 
 
+def test_pingpong_engine_table_changes_only_the_schedule():
+    """bench/fast_path.py's pingpong engine: every product the hand-warp-specialised kernels run for a
+    modernbert-large forward gets ping-pong consumers and keeps the tiles and cluster the shipped forward picks;
+    few rows and other GPUs still run the other kernels."""
+    from bench.fastpath.workloads import pingpong_table
+
+    table = pingpong_table(tuning.TABLE, 1024, 2624, 4096, sms=132)
+    prods = [(3072, 1024, False), (1024, 1024, False), (1024, 2624, False), (2624, 1024, True),
+             (4096, 1024, False), (1024, 4096, False)]
+    for N, K, g in prods:
+        shipped = tuning.pick_gemm_ws(65536, N, BF, BF, g, K, arch="sm_90a", sms=132)
+        pp = tuning.pick_gemm_ws(65536, N, BF, BF, g, K, arch="sm_90a", sms=132, table=table)
+        assert pp == replace(shipped, inflight=1, pingpong=True), (N, K, g)
+        gm.check_config(pp, 2 if g else 1)
+        assert tuning.pick_gemm_ws(64, N, BF, BF, g, K, arch="sm_90a", sms=132, table=table) is None
+        assert tuning.pick_gemm_ws(65536, N, BF, BF, g, K, arch="sm_80", sms=108, table=table) is None
+    assert len(table.gemm_ws) == len(prods)   # one entry a product, nothing form-wide
+    assert tuning.Tuning.from_dict(table.as_dict()) == table   # writable as kernels/tuning.json
+
+
 @gpu
 @needs_tilelang
 @pytest.mark.parametrize("M", [1, 77, 129, 4099, 40000])

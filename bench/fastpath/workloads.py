@@ -11,8 +11,10 @@ import numpy as np
 
 from bench.fastpath.common import log, proposal
 
-# our fast engines: bf16, fp16, the FP8 precision, and bf16 / fp16 with the add+LayerNorm fold from FOLD_M tokens
-FAST = ("fast", "fast16", "fast8", "fold", "fold16")
+# our fast engines: bf16, fp16, the FP8 precision, bf16 / fp16 with the add+LayerNorm fold from FOLD_M tokens, and
+# bf16 with ping-pong consumers in every hand-warp-specialised GEMM, without and with the fold
+FAST = ("fast", "fast16", "fast8", "fold", "fold16", "pingpong", "foldpp")
+PINGPONG = ("pingpong", "foldpp")
 FOLD_M = 1024
 
 WORDS = ("order refund late broken invoice payment password login error crash urgent angry happy thanks "
@@ -33,10 +35,37 @@ def text(rng: random.Random, n: int) -> str:
     return "Subject: order %d\n" % rng.randint(1000, 9999) + " ".join(rng.choice(WORDS) for _ in range(n))
 
 
+def pingpong_table(table, d: int, inter: int, ffn: int, sms: int = 132):
+    """`table` with every hand-warp-specialised product of a model of this shape (width d, GeGLU width inter, head
+    FFN width ffn) run with ping-pong consumers (kernels/gemm_manual.py's `pingpong`, one wgmma batch in flight), each
+    product's entry keyed as kernels/tuning.py's pick_gemm_ws reads it and otherwise the config it picks."""
+    from model.backends.fast.specs import kernel_specs
+
+    out = table
+    for kind, args in kernel_specs(d, max(1, d // 64), inter, ffn, {0}, table=table, arch="sm_90a", sms=sms):
+        if kind == "gemm_ws":
+            N, K, cfg, geglu = args[0], args[1], args[2], args[6]
+            out = out.with_entry("gemm_ws", "%s:%dx%d" % ("geglu" if geglu else "gemm", N, K),
+                                 replace(cfg, inflight=1, pingpong=True))
+    return out
+
+
+def ckpt_dims(ckpt: str) -> dict:
+    """(d, inter, ffn) of a Laya checkpoint directory: its encoder's config.json, the head FFN 4 d wide as
+    make-checkpoint's (a head of another width keeps the shipped configs in `pingpong_table`)."""
+    import json
+    import os
+
+    with open(os.path.join(ckpt, "encoder", "config.json"), encoding="utf-8") as fh:
+        c = json.load(fh)
+    return {"d": int(c["hidden_size"]), "inter": int(c["intermediate_size"]), "ffn": 4 * int(c["hidden_size"])}
+
+
 def make_engines(ckpt: str, which: list[str], max_tokens: int, device: str = "cuda", attn_cfg=None) -> dict:
     """Our engines by name: fast (TileLang, bf16), fast16 (TileLang, fp16), fast8 (the FP8 precision: e4m3 encoder
     GEMMs, the rest bf16), fold / fold16 (fast / fast16 with the tuning table's ln_fold_m at FOLD_M: the
-    add+LayerNorm folded into the GEMMs from that bucket up), eager (bf16 autocast), fp32 (eager fp32, TF32 off).
+    add+LayerNorm folded into the GEMMs from that bucket up), pingpong / foldpp (fast / fold with `pingpong_table`),
+    eager (bf16 autocast), fp32 (eager fp32, TF32 off).
 
     On a CPU (a dry run of this script) `fast` runs its torch ops instead of the kernels."""
     import torch
@@ -49,7 +78,11 @@ def make_engines(ckpt: str, which: list[str], max_tokens: int, device: str = "cu
         if name in FAST:
             table = proposal()
             if name.startswith("fold"):
-                table = replace(table, ln_fold_m=max(FOLD_M, table.small_m + 64))
+                table = replace(table, ln_fold_m=max(FOLD_M, table.small_m + 64))   # foldpp too
+            if name in PINGPONG:
+                from model.backends.fast.specs import sm_count
+
+                table = pingpong_table(table, **ckpt_dims(ckpt), sms=sm_count())
             extra = {"tuning": table, **({"ops": "torch"} if device == "cpu" else {})}
             if attn_cfg is not None:
                 extra["attn_cfg"] = attn_cfg
