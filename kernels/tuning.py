@@ -34,11 +34,11 @@ class Tuning:
     """Measured winners. small_m: token buckets up to this many rows run the small tiles (gemm.SMALL, geglu.SMALL),
     larger ones the large-M kernels; gemm / geglu: "NxK" (or "FxK") -> config for more than small_m rows; add_ln:
     "D" -> config; gemm_ws: "gemm" / "geglu" (every product of that form) or "gemm:NxK" / "geglu:FxK" (one
-    product); gemm_small / geglu_small: "NxK" / "FxK" -> config for up to small_m rows (else gemm.SMALL /
-    geglu.SMALL); attn_hp / attn_hp_m: token buckets of at least attn_hp_m tokens (more than small_m) run the
-    overlapped attention with attn_hp heads a block (1: one head a block everywhere); ln_fold_m: token buckets of
-    at least this many tokens (more than small_m; 0: none) fold the encoder's add+LayerNorm into its GEMMs
-    (kernels/ln_fold.py)."""
+    product), "gemm8..." / "geglu8..." the same for e4m3 operands (the FP8 precision); gemm_small / geglu_small:
+    "NxK" / "FxK" -> config for up to small_m rows (else gemm.SMALL / geglu.SMALL); attn_hp / attn_hp_m: token
+    buckets of at least attn_hp_m tokens (more than small_m) run the overlapped attention with attn_hp heads a block
+    (1: one head a block everywhere); ln_fold_m: token buckets of at least this many tokens (more than small_m; 0:
+    none) fold the encoder's add+LayerNorm into its GEMMs (kernels/ln_fold.py)."""
 
     gemm: Mapping[str, Any] = field(default_factory=dict)
     geglu: Mapping[str, Any] = field(default_factory=dict)
@@ -145,14 +145,18 @@ def pick_gemm_ws(M: int, N: int, in_dtype: torch.dtype, out_dtype: torch.dtype, 
     return base if base.persistent == sms else replace(base, persistent=sms)
 
 
-def pick_gemm_ws8(M: int, N: int, geglu: bool = False, *, arch: str, sms: int, table: Tuning = TABLE
-                  ) -> _gm.GemmWSConfig | None:
-    """The hand-warp-specialised config of an M-row product with e4m3 operands (the FP8 precision), or None for
-    cuBLAS's (`torch._scaled_mm`): few rows, N < 64 or not Hopper. gemm_manual's GEMM8 / GEGLU8, with clusters
-    where the bf16 kernels use them."""
+def pick_gemm_ws8(M: int, N: int, geglu: bool = False, K: int | None = None, *, arch: str, sms: int,
+                  table: Tuning = TABLE) -> _gm.GemmWSConfig | None:
+    """The hand-warp-specialised config of an M-row product with e4m3 operands (the FP8 precision), K deep, or
+    None for cuBLAS's (`torch._scaled_mm`): few rows, N < 64 or not Hopper. The table's gemm_ws entry
+    "gemm8:NxK" / "geglu8:FxK" or "gemm8" / "geglu8", else gemm_manual's GEMM8 / GEGLU8 with clusters where the
+    bf16 kernels use them."""
     if M <= table.small_m or N < 64 or not arch.startswith("sm_90"):
         return None
-    base = _gm.GEGLU8 if geglu else _gm.GEMM8 if N >= _gm.CLUSTER_MIN_N else replace(_gm.GEMM8, cluster=1)
+    form = "geglu8" if geglu else "gemm8"
+    base = table.gemm_ws.get("%s:%dx%s" % (form, N, K)) or table.gemm_ws.get(form)
+    if base is None:
+        base = _gm.GEGLU8 if geglu else _gm.GEMM8 if N >= _gm.CLUSTER_MIN_N else replace(_gm.GEMM8, cluster=1)
     if base.cluster > 1 and sms % base.cluster:
         base = replace(base, cluster=1)
     return base if base.persistent == sms else replace(base, persistent=sms)

@@ -406,6 +406,17 @@ def test_fp8_configs_and_pick():
     assert pick8(small_m + 1, 1024) == replace(gm.GEMM8, cluster=1)
     assert pick8(small_m, 3072) is None and pick8(small_m + 1, 3072, arch="sm_89") is None
     assert pick8(small_m + 1, 3072, sms=114) == replace(gm.GEMM8, persistent=114)
+    # measured winners in the table: one product's, then every e4m3 product's of a form; the bf16 entries are not
+    # the e4m3 kernels' (other k-steps)
+    one = replace(gm.GEMM8, inflight=1, pingpong=True)
+    t = tuning.TABLE.with_entry("gemm_ws", "gemm8:3072x1024", one).with_entry("gemm_ws", "gemm", gm.GEMM)
+    assert tuning.pick_gemm_ws8(small_m + 1, 3072, False, 1024, arch="sm_90a", sms=132, table=t) == one
+    assert tuning.pick_gemm_ws8(small_m + 1, 3072, False, 2048, arch="sm_90a", sms=132, table=t) == gm.GEMM8
+    t = t.with_entry("gemm_ws", "geglu8", replace(gm.GEGLU8, cluster=1))
+    assert tuning.pick_gemm_ws8(small_m + 1, 2624, True, 1024, arch="sm_90a", sms=132, table=t) == \
+        replace(gm.GEGLU8, cluster=1)
+    assert tuning.pick_gemm_ws8(small_m + 1, 3072, False, 1024, arch="sm_90a", sms=114, table=t) == \
+        replace(one, persistent=114)
 
 
 @needs_tilelang

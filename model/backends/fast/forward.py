@@ -49,7 +49,8 @@ class ForwardOps(Profiling):
     def _gemm(self, a, w, bias, out, act="none"):
         tok = self._mark("gemm %dx%d" % (w.shape[0], w.shape[1]))
         if isinstance(w, _fp8.Fp8Weight):   # the FP8 precision's encoder GEMMs (fp8.py); `a` may come quantised
-            _fp8.gemm(a, w, bias, act, self.ops["gemm"], out, self._ws8(out.shape[0], w.shape[0]), self._zero_bias)
+            _fp8.gemm(a, w, bias, act, self.ops["gemm"], out, self._ws8(out.shape[0], w.shape[0], w.shape[1]),
+                      self._zero_bias)
         elif self.ops["gemm"] == "tilelang":
             M, N = a.shape[0], w.shape[0]
             b = bias if bias is not None else self._zero_bias[:N]
@@ -63,16 +64,16 @@ class ForwardOps(Profiling):
             out.copy_(_gemm.gemm_ref(a, w, bias, act, out.dtype))
         self._done(tok)
 
-    def _ws8(self, M: int, N: int, geglu: bool = False) -> _gm.GemmWSConfig | None:
-        """The FP8 precision's hand-warp-specialised config of this product, or None for cuBLAS's."""
+    def _ws8(self, M: int, N: int, K: int, geglu: bool = False) -> _gm.GemmWSConfig | None:
+        """The FP8 precision's hand-warp-specialised config of this product (K deep), or None for cuBLAS's."""
         if self.ops["geglu" if geglu else "gemm"] != "tilelang":
             return None
-        return pick_gemm_ws8(M, N, geglu, arch=self.arch, sms=self.sms, table=self.tuning)
+        return pick_gemm_ws8(M, N, geglu, K, arch=self.arch, sms=self.sms, table=self.tuning)
 
     def _fused_rope(self, M: int) -> bool:
         """Whether Wqkv's GEMM rotates Q and K in its epilogue at M tokens (both ops TileLang, a 64-wide tile)."""
         if self.fp8:
-            return self.ops["rope"] == "tilelang" and self._ws8(M, 3 * self.d) is not None
+            return self.ops["rope"] == "tilelang" and self._ws8(M, 3 * self.d, self.d) is not None
         return (self.ops["gemm"] == "tilelang" and self.ops["rope"] == "tilelang"
                 and (self._ws_cfg(M, 3 * self.d, self.act_dtype, self.act_dtype, K=self.d) is not None
                      or pick_gemm(M, 3 * self.d, self.d, self.tuning).bn % 64 == 0))
@@ -89,7 +90,7 @@ class ForwardOps(Profiling):
         tok = self._mark("gemm %dx%d+rope" % (N, K))
         if self.fp8:
             q = a if isinstance(a, tuple) else _fp8.quantize_rows(a, "tilelang")
-            _fp8.ws_product(q, ly.wqkv, out, self._ws8(M, N), ly.bqkv, self._zero_bias,
+            _fp8.ws_product(q, ly.wqkv, out, self._ws8(M, N, K), ly.bqkv, self._zero_bias,
                             (2 * self.d, pos, table[0], table[1]))
             self._done(tok)
             return
@@ -106,7 +107,7 @@ class ForwardOps(Profiling):
     def _geglu(self, a, wi, out):
         tok = self._mark("geglu %dx%d" % (wi.shape[0] // 2, wi.shape[1]))
         if isinstance(wi, _fp8.Fp8Weight):   # quantised for the next GEMM: (e4m3, scales), not `out`
-            ws8 = self._ws8(out.shape[0], wi.shape[0] // 2, True)
+            ws8 = self._ws8(out.shape[0], wi.shape[0] // 2, wi.shape[1], True)
             out = _fp8.geglu(a, wi, self.ops["gemm"], self.ops["geglu"], ws8, out)
         elif self.ops["geglu"] == "tilelang":
             Fd = wi.shape[0] // 2

@@ -58,7 +58,7 @@ def kernel_specs(d: int, inter: int, biases: tuple[bool, bool, bool] = (False, F
     specs += [("quant", (K, g, dtype)) for K, g in ((d, False), (inter, False), (inter, True)) if _quant.fits(K)]
     for N, K, b, rope, g in ((3 * d, d, biases[0], 2 * d, False), (d, d, biases[1], 0, False),
                              (inter, d, False, 0, True), (d, inter, biases[2], 0, False)):
-        cfg = _tuning.pick_gemm_ws8(table.small_m + 1, N, g, arch=arch, sms=sms, table=table)
+        cfg = _tuning.pick_gemm_ws8(table.small_m + 1, N, g, K, arch=arch, sms=sms, table=table)
         if cfg is not None:
             specs.append(("gemm_ws", (N, K, cfg, b, "none", rope, g, dtype, True)))
     return specs
