@@ -57,7 +57,7 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
     # the ping-pong engines only when named: a kernel that faults the GPU would take the run's CUDA context with it
     ap.add_argument("--engines", nargs="*", default=[x for x in ENGINES if x not in workloads.PINGPONG],
                     help="engines to build: fast (bf16) fast16 fast8 fold fold16 eager fp32 (numerics needs fp32), "
-                         "and pingpong foldpp when named")
+                         "and pingpong foldpp fast8pp when named")
     ap.add_argument("--plot", default=None, help="only redraw the PNG from this JSON")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a dry run of the script")
     ap.add_argument("--attention-child", default=None, help=argparse.SUPPRESS)

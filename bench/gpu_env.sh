@@ -1,8 +1,9 @@
 # Source on the GPU machine from the repo root (`. bench/gpu_env.sh`): unpacks the bundles a run carried
 # (.gpu/ray-site.tar.xz, .gpu/tilelang-site.tar.xz, the pure-Python wheels in .whl/: upstream laya, and
 # py3langid, which the ingress needs and the Ray bundle lacks) into /tmp/site unless a previous run
-# on the same warm machine already did, extracts the packed kernel caches (.gpu/fast-tl-cache.tar.xz, and
-# .gpu/test-tl-cache.tar.xz for the GPU tests) into /tmp/lfc, writes the
+# on the same warm machine already did, extracts the packed kernel caches (.gpu/fast-tl-cache.tar.xz,
+# .gpu/test-tl-cache.tar.xz for the GPU tests, .gpu/pingpong-tl-cache.tar.xz for bench/pingpong_ab.py and the
+# ping-pong engines of bench/fast_path.py) into /tmp/lfc, writes the
 # `serve` / `ray` / `laya-serve` entry points the bundles lack, exports PYTHONPATH and the cache dir, and
 # byte-compiles the site once in the background.
 mkdir -p /tmp/site /tmp/lfc
@@ -11,7 +12,7 @@ if [ -f .gpu/ray-site.tar.xz ] && [ ! -d /tmp/site/ray ]; then tar -xJf .gpu/ray
 if [ -f .gpu/tilelang-site.tar.xz ] && [ ! -d /tmp/site/tilelang ]; then
   tar -xJf .gpu/tilelang-site.tar.xz -C /tmp/site; _new=1
 fi
-for c in .gpu/fast-tl-cache.tar.xz .gpu/test-tl-cache.tar.xz; do [ -f "$c" ] && tar -xJf "$c" -C /tmp/lfc; done
+for c in .gpu/fast-tl-cache.tar.xz .gpu/test-tl-cache.tar.xz .gpu/pingpong-tl-cache.tar.xz; do [ -f "$c" ] && tar -xJf "$c" -C /tmp/lfc; done
 for w in .whl/*.whl; do  # each wheel once: its package folder is the name before the first '-'
   p=$(basename "$w"); p=${p%%-*}
   if [ -f "$w" ] && [ ! -d "/tmp/site/$p" ]; then python3 -m zipfile -e "$w" /tmp/site; fi

@@ -1,8 +1,8 @@
 """The hand-warp-specialised GEMMs' two schedules side by side: cooperative (shipped: both consumer warpgroups on one
 tile's two row halves at once, so their epilogues stall the tensor cores together) against ping-pong (the consumers
 take the halves in turn, one's epilogue under the other's products; kernels/gemm_manual.py, `pingpong`).
-`--compile-only` also builds what bench/fast_path.py's `pingpong` / `foldpp` engines add to the shipped / fold
-forwards' kernels.
+`--compile-only` also builds what bench/fast_path.py's `pingpong` / `foldpp` / `fast8pp` engines add to the
+shipped / fold / FP8 forwards' kernels.
 
 Every encoder product of a modernbert-large layer (Wqkv with its RoPE, Wo, Wi with its GeGLU, MLP Wo) at the
 offline chunk's and the 10 x 3 batch's token counts, in bf16, with e4m3 operands (the FP8 precision's kernels) and
@@ -78,11 +78,12 @@ def specs(sms: int = 132) -> list[tuple[str, tuple]]:
 
 
 def engine_specs(sms: int = 132) -> list[tuple[str, tuple]]:
-    """The hand-warp-specialised GEMMs bench/fast_path.py's `pingpong` and `foldpp` engines run on a
-    modernbert-large checkpoint in place of the shipped and fold forwards' (the head's products too): their other
-    kernels are those forwards'."""
+    """The hand-warp-specialised GEMMs bench/fast_path.py's `pingpong`, `foldpp` and `fast8pp` engines run on a
+    modernbert-large checkpoint in place of the shipped, fold and FP8 forwards' (the head's products too): their
+    other kernels are those forwards'."""
     from bench.fastpath.workloads import FOLD_M, pingpong_table
     from kernels.tuning import TABLE
+    from model.backends.fast import fp8
     from model.backends.fast.precompile import shape_dims
     from model.backends.fast.specs import kernel_specs
 
@@ -92,6 +93,8 @@ def engine_specs(sms: int = 132) -> list[tuple[str, tuple]]:
     for t in (table, replace(table, ln_fold_m=max(FOLD_M, table.small_m + 64))):   # pingpong, foldpp
         out += [sp for sp in kernel_specs(**dims, table=t, arch="sm_90a", sms=sms, pdl="small", ln_fold=True)
                 if sp[0] == "gemm_ws"]
+    out += [sp for sp in fp8.kernel_specs(dims["d"], dims["inter"], arch="sm_90a", sms=sms, table=table)
+            if sp[0] == "gemm_ws"]   # fast8pp
     return list(dict.fromkeys(out))
 
 

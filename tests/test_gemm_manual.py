@@ -352,9 +352,9 @@ def test_pingpong_config():
 
 
 def test_pingpong_engine_table_changes_only_the_schedule():
-    """bench/fast_path.py's pingpong engine: every product the hand-warp-specialised kernels run for a
-    modernbert-large forward gets ping-pong consumers and keeps the tiles and cluster the shipped forward picks;
-    few rows and other GPUs still run the other kernels."""
+    """bench/fast_path.py's ping-pong engines: every product the hand-warp-specialised kernels run for a
+    modernbert-large forward, bf16 or e4m3, gets ping-pong consumers and keeps the tiles and cluster the shipped
+    forward picks; few rows and other GPUs still run the other kernels."""
     from bench.fastpath.workloads import pingpong_table
 
     table = pingpong_table(tuning.TABLE, 1024, 2624, 4096, sms=132)
@@ -367,7 +367,13 @@ def test_pingpong_engine_table_changes_only_the_schedule():
         gm.check_config(pp, 2 if g else 1)
         assert tuning.pick_gemm_ws(64, N, BF, BF, g, K, arch="sm_90a", sms=132, table=table) is None
         assert tuning.pick_gemm_ws(65536, N, BF, BF, g, K, arch="sm_80", sms=108, table=table) is None
-    assert len(table.gemm_ws) == len(prods)   # one entry a product, nothing form-wide
+    prods8 = prods[:4]   # the FP8 precision runs the encoder's products in e4m3
+    for N, K, g in prods8:
+        shipped = tuning.pick_gemm_ws8(65536, N, g, K, arch="sm_90a", sms=132)
+        pp = tuning.pick_gemm_ws8(65536, N, g, K, arch="sm_90a", sms=132, table=table)
+        assert pp == replace(shipped, inflight=1, pingpong=True), (N, K, g)
+        gm.check_config(pp, 2 if g else 1, 1)
+    assert len(table.gemm_ws) == len(prods) + len(prods8)   # one entry a product, nothing form-wide
     assert tuning.Tuning.from_dict(table.as_dict()) == table   # writable as kernels/tuning.json
 
 

@@ -12,9 +12,9 @@ import numpy as np
 from bench.fastpath.common import log, proposal
 
 # our fast engines: bf16, fp16, the FP8 precision, bf16 / fp16 with the add+LayerNorm fold from FOLD_M tokens, and
-# bf16 with ping-pong consumers in every hand-warp-specialised GEMM, without and with the fold
-FAST = ("fast", "fast16", "fast8", "fold", "fold16", "pingpong", "foldpp")
-PINGPONG = ("pingpong", "foldpp")
+# bf16 and FP8 with ping-pong consumers in every hand-warp-specialised GEMM (bf16 without and with the fold)
+FAST = ("fast", "fast16", "fast8", "fold", "fold16", "pingpong", "foldpp", "fast8pp")
+PINGPONG = ("pingpong", "foldpp", "fast8pp")
 FOLD_M = 1024
 
 WORDS = ("order refund late broken invoice payment password login error crash urgent angry happy thanks "
@@ -37,15 +37,18 @@ def text(rng: random.Random, n: int) -> str:
 
 def pingpong_table(table, d: int, inter: int, ffn: int, sms: int = 132):
     """`table` with every hand-warp-specialised product of a model of this shape (width d, GeGLU width inter, head
-    FFN width ffn) run with ping-pong consumers (kernels/gemm_manual.py's `pingpong`, one wgmma batch in flight), each
-    product's entry keyed as kernels/tuning.py's pick_gemm_ws reads it and otherwise the config it picks."""
+    FFN width ffn), with 16-bit and with e4m3 operands, run with ping-pong consumers (kernels/gemm_manual.py's
+    `pingpong`, one wgmma batch in flight), each product's entry keyed as kernels/tuning.py's pick_gemm_ws /
+    pick_gemm_ws8 read it and otherwise the config they pick."""
+    from model.backends.fast import fp8
     from model.backends.fast.specs import kernel_specs
 
     out = table
-    for kind, args in kernel_specs(d, max(1, d // 64), inter, ffn, {0}, table=table, arch="sm_90a", sms=sms):
+    specs = kernel_specs(d, max(1, d // 64), inter, ffn, {0}, table=table, arch="sm_90a", sms=sms)
+    for kind, args in specs + fp8.kernel_specs(d, inter, arch="sm_90a", sms=sms, table=table):
         if kind == "gemm_ws":
-            N, K, cfg, geglu = args[0], args[1], args[2], args[6]
-            out = out.with_entry("gemm_ws", "%s:%dx%d" % ("geglu" if geglu else "gemm", N, K),
+            N, K, cfg, geglu, e4m3 = args[0], args[1], args[2], args[6], len(args) > 8 and args[8]
+            out = out.with_entry("gemm_ws", "%s%s:%dx%d" % ("geglu" if geglu else "gemm", "8" if e4m3 else "", N, K),
                                  replace(cfg, inflight=1, pingpong=True))
     return out
 
@@ -64,8 +67,8 @@ def ckpt_dims(ckpt: str) -> dict:
 def make_engines(ckpt: str, which: list[str], max_tokens: int, device: str = "cuda", attn_cfg=None) -> dict:
     """Our engines by name: fast (TileLang, bf16), fast16 (TileLang, fp16), fast8 (the FP8 precision: e4m3 encoder
     GEMMs, the rest bf16), fold / fold16 (fast / fast16 with the tuning table's ln_fold_m at FOLD_M: the
-    add+LayerNorm folded into the GEMMs from that bucket up), pingpong / foldpp (fast / fold with `pingpong_table`),
-    eager (bf16 autocast), fp32 (eager fp32, TF32 off).
+    add+LayerNorm folded into the GEMMs from that bucket up), pingpong / foldpp / fast8pp (fast / fold / fast8 with
+    `pingpong_table`), eager (bf16 autocast), fp32 (eager fp32, TF32 off).
 
     On a CPU (a dry run of this script) `fast` runs its torch ops instead of the kernels."""
     import torch
@@ -88,7 +91,7 @@ def make_engines(ckpt: str, which: list[str], max_tokens: int, device: str = "cu
                 extra["attn_cfg"] = attn_cfg
             if name in ("fast16", "fold16"):
                 extra["act_dtype"] = torch.float16
-            if name == "fast8":
+            if name in ("fast8", "fast8pp"):
                 extra["fp8"] = True
             eng = model.load(ckpt, device=device, backend="fast", max_batch_tokens=max_tokens, **extra)
             w = eng.warmup(max_tokens)
