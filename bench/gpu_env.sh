@@ -12,7 +12,9 @@ if [ -f .gpu/ray-site.tar.xz ] && [ ! -d /tmp/site/ray ]; then tar -xJf .gpu/ray
 if [ -f .gpu/tilelang-site.tar.xz ] && [ ! -d /tmp/site/tilelang ]; then
   tar -xJf .gpu/tilelang-site.tar.xz -C /tmp/site; _new=1
 fi
-for c in .gpu/fast-tl-cache.tar.xz .gpu/test-tl-cache.tar.xz .gpu/pingpong-tl-cache.tar.xz; do [ -f "$c" ] && tar -xJf "$c" -C /tmp/lfc; done
+for c in .gpu/fast-tl-cache.tar.xz .gpu/test-tl-cache.tar.xz .gpu/pingpong-tl-cache.tar.xz; do
+  [ -f "$c" ] && tar -xJf "$c" -C /tmp/lfc
+done
 for w in .whl/*.whl; do  # each wheel once: its package folder is the name before the first '-'
   p=$(basename "$w"); p=${p%%-*}
   if [ -f "$w" ] && [ ! -d "/tmp/site/$p" ]; then python3 -m zipfile -e "$w" /tmp/site; fi
