@@ -91,6 +91,20 @@ def test_predict_batch_tokenizes_ahead_and_decodes_behind_the_forward(engine, ti
         mine = threading.current_thread().name   # the worker may still decode a chunk while the caller decodes its last
         assert decoders.count(mine) == last and all(n == mine or n.startswith("laya-decode") for n in decoders)
         _assert_same(got, whole, "windows", 2e-4)   # other batches: 4-decimal values may round the other way
+    # all states in one forward: the packed backend scores the first fifth ahead while the rest are tokenized,
+    # and the answers are the eager engine's; below LEAD_MIN_STATES states, one window
+    from model.engine import LEAD_MIN_STATES, LEAD_PARTS
+
+    for states in (many, many[:LEAD_MIN_STATES], many[:LEAD_MIN_STATES - 1]):
+        sizes, encode = [], fast.encode_many
+        fast.encode_many = lambda st, prep, f=encode, seen=sizes: (seen.append(len(st)), f(st, prep))[1]
+        try:
+            got = fast.predict_batch(states, qs)
+        finally:
+            del fast.encode_many
+        lead = -(-len(states) // LEAD_PARTS)
+        assert sizes == ([lead, len(states) - lead] if len(states) >= LEAD_MIN_STATES else [len(states)]), sizes
+        _assert_same(got, engine.predict_batch(states, qs), "lead window", 2e-4)
 
 
 def test_empty_inputs_match_upstream(engine, oracle):
