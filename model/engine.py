@@ -134,14 +134,20 @@ class Engine:
         # and each is tokenized while the one before it is on the device
         reorder = sort_by_length and 1 < chunk < n and not self.backend.packed
         bounds = list(range(0, n, chunk * 8 if reorder else chunk)) + [n]
-        if len(bounds) == 2 and self.backend.packed and n >= LEAD_MIN_STATES:
+        lead = len(bounds) == 2 and self.backend.packed and n >= LEAD_MIN_STATES
+        if lead:
             # one forward for all: the first states go ahead alone, so the rest are tokenized under their forward
             bounds = [0, -(-n // LEAD_PARTS), n]
         # each chunk's answers are decoded on a worker thread while the next chunk scores (the last one here)
         results: list[dict | None] = [None] * n
         decoding = []
         windows = list(zip(bounds, bounds[1:]))
-        for (start, end), encoded in zip(windows, self._encoded([states[a:b] for a, b in windows], prepared)):
+        walk = zip(windows, self._encoded([states[a:b] for a, b in windows], prepared))
+        for (start, end), encoded in walk:
+            if lead and start == 0 and sum(len(r) for e in encoded for r in e.rows) < LEAD_MIN_TOKENS:
+                # too few tokens ahead for a forward of their own to pay: one forward after all
+                (_, end), rest = next(walk)
+                encoded = encoded + rest
             order = list(range(len(encoded)))
             step = chunk if reorder else len(order)
             if reorder:
@@ -198,9 +204,11 @@ class Engine:
 
 # predict_batch on a packed backend, all states in one forward: from this many states, the first 1/LEAD_PARTS of
 # them score alone while the rest are tokenized (on an H100, tokenizing 10 states of 512 tokens took 2.3 ms of a
-# 27.8 ms request); each row is scored on its own tokens, so the answers do not depend on the split)
+# 27.8 ms request), when their rows hold LEAD_MIN_TOKENS tokens (fewer: a second forward's launch would cost more
+# than the tokenizing it hides); each row is scored on its own tokens, so the answers do not depend on the split
 LEAD_MIN_STATES = 4
 LEAD_PARTS = 5
+LEAD_MIN_TOKENS = 2048
 
 # the tokens a fast backend's default buffers hold (model/backends/fast/backend.py DEFAULT_MAX_BATCH_TOKENS)
 FAST_ROW_TOKENS = 16384

@@ -63,7 +63,7 @@ def test_single_predict_and_chunked_batches_match_upstream(engine, oracle):
     _assert_same(engine.predict_batch(many, qs, batch_size=3), oracle.predict_batch(many, qs, batch_size=3), "chunked")
 
 
-def test_predict_batch_tokenizes_ahead_and_decodes_behind_the_forward(engine, tiny_checkpoint):
+def test_predict_batch_tokenizes_ahead_and_decodes_behind_the_forward(engine, tiny_checkpoint, monkeypatch):
     """More than one window: every window after the first is tokenized on the engine's worker thread (while the
     caller scores the one before), every chunk's states but the last one's are decoded on another (while the caller
     scores the next), and the answers are those of one window. A packed backend (the fast one, on its torch ops)
@@ -91,19 +91,25 @@ def test_predict_batch_tokenizes_ahead_and_decodes_behind_the_forward(engine, ti
         mine = threading.current_thread().name   # the worker may still decode a chunk while the caller decodes its last
         assert decoders.count(mine) == last and all(n == mine or n.startswith("laya-decode") for n in decoders)
         _assert_same(got, whole, "windows", 2e-4)   # other batches: 4-decimal values may round the other way
-    # all states in one forward: the packed backend scores the first fifth ahead while the rest are tokenized,
-    # and the answers are the eager engine's; below LEAD_MIN_STATES states, one window
-    from model.engine import LEAD_MIN_STATES, LEAD_PARTS
+    # all states in one forward: the packed backend tokenizes the first fifth, then the rest while the first fifth
+    # scores if their rows hold LEAD_MIN_TOKENS tokens (else one forward for all), and the answers are the eager
+    # engine's; below LEAD_MIN_STATES states, one window
+    from model import engine as E
 
-    for states in (many, many[:LEAD_MIN_STATES], many[:LEAD_MIN_STATES - 1]):
-        sizes, encode = [], fast.encode_many
+    for states, min_tokens in ((many, 0), (many, 10 ** 9), (many[:E.LEAD_MIN_STATES], 0),
+                               (many[:E.LEAD_MIN_STATES - 1], 0)):
+        sizes, forwards, encode, score = [], [], fast.encode_many, fast.score
         fast.encode_many = lambda st, prep, f=encode, seen=sizes: (seen.append(len(st)), f(st, prep))[1]
+        fast.score = lambda rows, f=score, seen=forwards: (seen.append(len(rows)), f(rows))[1]
+        monkeypatch.setattr(E, "LEAD_MIN_TOKENS", min_tokens)
         try:
             got = fast.predict_batch(states, qs)
         finally:
-            del fast.encode_many
-        lead = -(-len(states) // LEAD_PARTS)
-        assert sizes == ([lead, len(states) - lead] if len(states) >= LEAD_MIN_STATES else [len(states)]), sizes
+            del fast.encode_many, fast.score
+        lead = -(-len(states) // E.LEAD_PARTS)
+        split = len(states) >= E.LEAD_MIN_STATES
+        assert sizes == ([lead, len(states) - lead] if split else [len(states)]), sizes
+        assert len(forwards) == (2 if split and not min_tokens else 1), forwards
         _assert_same(got, engine.predict_batch(states, qs), "lead window", 2e-4)
 
 
