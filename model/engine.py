@@ -205,7 +205,8 @@ class Engine:
 # predict_batch on a packed backend, all states in one forward: from this many states, the first 1/LEAD_PARTS of
 # them score alone while the rest are tokenized (on an H100, tokenizing 10 states of 512 tokens took 2.3 ms of a
 # 27.8 ms request), when their rows hold LEAD_MIN_TOKENS tokens (fewer: a second forward's launch would cost more
-# than the tokenizing it hides); each row is scored on its own tokens, so the answers do not depend on the split
+# than the tokenizing it hides); each row is scored on its own tokens, so the answers are one forward's up to
+# rounding (the kernels are picked by token count)
 LEAD_MIN_STATES = 4
 LEAD_PARTS = 5
 LEAD_MIN_TOKENS = 2048
